@@ -1,0 +1,135 @@
+"""The sampling plan shared by the layers injected into one model.
+
+A :class:`BayesianModel` owns one :class:`SamplingContext`; every injected layer
+holds a reference to it (never a global). Before a forward pass the model sets a
+plan: which posterior component each row of the (tiled) batch belongs to, and
+whether noise is drawn or replaced by its posterior mean. Each layer reads the
+row → component map and draws its own noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from bayesify.errors import BayesifyError
+
+
+@dataclass
+class SamplingPlan:
+    """Row → component assignment for one forward pass.
+
+    ``component``: ``[R]`` long tensor, the component (member) of every row.
+    ``deterministic``: use posterior means instead of sampling.
+    ``generator``: optional RNG for reproducible per-row noise.
+    ``member``: optional ``[R]`` predictive member of every row. When set, noise
+    is drawn once per member (shared by all rows of that member), so prediction
+    evaluates M fixed networks, independent of batch size and chunking.
+    ``num_members``: M, the total number of members (when ``member`` is set).
+    ``seed``: with ``member``, every layer draws its ``[M, ...]`` noise from a
+    generator seeded by ``(seed, layer_id)``: reproducible and exportable.
+    """
+
+    component: torch.Tensor | None = None
+    deterministic: bool = False
+    generator: torch.Generator | None = None
+    member: torch.Tensor | None = None
+    num_members: int = 0
+    seed: int | None = None
+
+
+class SamplingContext:
+    """Holds the active :class:`SamplingPlan`; shared by reference by all layers."""
+
+    def __init__(self, components: int) -> None:
+        self.components = int(components)
+        self.plan = SamplingPlan()
+        self.force_deterministic = False
+        self._layer_count = 0
+
+    def next_layer_id(self) -> int:
+        """A distinct id per injected layer (seeds its per-member noise stream)."""
+        self._layer_count += 1
+        return self._layer_count - 1
+
+    @contextlib.contextmanager
+    def use(
+        self,
+        component: torch.Tensor | None = None,
+        *,
+        deterministic: bool | None = None,
+        generator: torch.Generator | None = None,
+        member: torch.Tensor | None = None,
+        num_members: int = 0,
+        seed: int | None = None,
+    ) -> Iterator[SamplingPlan]:
+        previous = self.plan
+        det = previous.deterministic if deterministic is None else deterministic
+        gen = generator if generator is not None else previous.generator
+        self.plan = SamplingPlan(
+            component=component, deterministic=det, generator=gen,
+            member=member, num_members=num_members, seed=seed,
+        )
+        try:
+            yield self.plan
+        finally:
+            self.plan = previous
+
+    @property
+    def deterministic(self) -> bool:
+        return self.force_deterministic or self.plan.deterministic
+
+    def _rows(self, index: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+        planned = index.shape[0]
+        if rows == planned:
+            return index.to(device)
+        if rows % planned == 0:
+            return index.to(device).repeat_interleave(rows // planned)
+        raise BayesifyError(
+            f"a wrapped layer received {rows} rows but the sampling plan has {planned}; "
+            "the model reshapes its batch in a way bayesify cannot follow — exclude "
+            "this layer with exclude=[...]"
+        )
+
+    def components_for(self, rows: int, device: torch.device) -> torch.Tensor:
+        """``[rows]`` component index per row of a layer's input.
+
+        A layer may see more rows than the plan when a parent reshapes the batch
+        batch-major (e.g. window attention: ``[B·W, ...]``); the assignment is
+        then repeated per row block. Without a plan, rows are dealt round-robin.
+        """
+        comp = self.plan.component
+        if comp is None:
+            return torch.arange(rows, device=device) % self.components
+        return self._rows(comp, rows, device)
+
+    def draw(
+        self,
+        layer_id: int,
+        rows: int,
+        tail: tuple[int, ...],
+        device: torch.device,
+        *,
+        uniform: bool = False,
+    ) -> torch.Tensor:
+        """``[rows, *tail]`` fp32 noise (standard normal, or U[0, 1) if ``uniform``).
+
+        Per row in training; per member (shared by its rows) when the plan names
+        members, seeded per layer so member m sees the same network every call.
+        """
+        plan = self.plan
+        if plan.member is None:
+            shape = (rows, *tail)
+            if uniform:
+                return torch.rand(shape, device=device, generator=plan.generator)
+            return torch.randn(shape, device=device, generator=plan.generator)
+        shape = (plan.num_members, *tail)
+        generator = plan.generator
+        if plan.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed((plan.seed * 1_000_003 + layer_id * 7_919) % (2**62))
+        noise = (torch.rand if uniform else torch.randn)(shape, device=device, generator=generator)
+        return noise.index_select(0, self._rows(plan.member, rows, device))

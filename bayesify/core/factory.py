@@ -1,0 +1,72 @@
+"""``bayesify(model, method=..., **options)``: the one entry point."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from torch import nn
+
+from bayesify.core.config import MethodConfig
+from bayesify.core.context import SamplingContext
+from bayesify.core.model import BayesianModel
+from bayesify.core.registry import get_method_class
+from bayesify.core.walker import plan_targets, replace_modules
+from bayesify.errors import BayesifyError
+
+
+def bayesify(
+    model: nn.Module,
+    method: str = "ibnn",
+    *,
+    config: MethodConfig | None = None,
+    inplace: bool = False,
+    freeze_base: bool = True,
+    **options: Any,
+) -> BayesianModel:
+    """Inject a posterior of family ``method`` around the target layers of ``model``.
+
+    ``options`` are fields of the family's config (see ``describe_method``); pass
+    a ready ``config`` instead to reuse one. The caller's model is deep-copied
+    unless ``inplace=True`` and is never left half-modified: targets are planned
+    and every wrapper is built before anything is replaced.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"bayesify expects a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, BayesianModel):
+        raise BayesifyError(
+            "the model is already bayesified (a BayesianModel); call .unwrap() to get "
+            "the base network back, or pass the original model"
+        )
+    method_cls = get_method_class(method)
+    if config is None:
+        config = method_cls.config_cls.from_kwargs(method, options)
+    elif options:
+        raise BayesifyError("pass either config=... or keyword options, not both")
+    elif not isinstance(config, method_cls.config_cls):
+        raise BayesifyError(
+            f"config is a {type(config).__name__}; method {method!r} needs "
+            f"{method_cls.config_cls.__name__}"
+        )
+    family = method_cls(config)
+    plan = plan_targets(model, family)  # validates; raises before any change
+
+    target_model = model if inplace else copy.deepcopy(model)
+    requires_grad = {n: p.requires_grad for n, p in target_model.named_parameters()}
+    context = SamplingContext(family.components)
+    modules = dict(target_model.named_modules())
+    wrappers = {name: family.wrap(name, modules[name], context) for name in plan.targets}
+    replace_modules(target_model, wrappers)
+
+    bnn = BayesianModel(
+        target_model,
+        method=family,
+        context=context,
+        targets=plan.targets,
+        base_requires_grad=requires_grad,
+        skipped=plan.skipped,
+    )
+    if freeze_base:
+        bnn.set_base_trainable(False)
+    family.prepare(bnn)
+    return bnn

@@ -1,0 +1,79 @@
+"""Base class of every injected layer: keeps the original module as ``base_layer``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bayesify.core.context import SamplingContext
+
+
+class BayesianLayer(nn.Module):
+    """Wraps ``base_layer``; subclasses add posterior parameters next to it.
+
+    Attribute reads that the wrapper does not define fall through to the base
+    layer, so parents that read ``child.weight`` / ``child.in_features`` still work.
+    """
+
+    def __init__(self, base_layer: nn.Module, context: SamplingContext) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        # a plain attribute (not a submodule): shared by every layer of one model
+        object.__setattr__(self, "context", context)
+        self.layer_id = context.next_layer_id()
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = super().__getattr__("base_layer")
+            return getattr(base, name)
+
+    def posterior_parameters(self) -> list[nn.Parameter]:
+        """Parameters this layer adds (everything but ``base_layer``'s)."""
+        return [p for n, p in self.named_parameters() if not n.startswith("base_layer.")]
+
+    def kl(self) -> torch.Tensor:
+        """KL(q‖p) of this layer's posterior, summed (0 for non-variational families)."""
+        p = self.posterior_parameters()
+        device = p[0].device if p else self.base_layer_device()
+        return torch.zeros((), device=device)
+
+    def base_layer_device(self) -> torch.device:
+        for p in self.base_layer.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def num_nodes(self) -> int:
+        """Number of noise variables per component (family-specific)."""
+        return 0
+
+    def extra_repr(self) -> str:
+        return f"posterior_values={sum(p.numel() for p in self.posterior_parameters())}"
+
+
+def channel_axis(module: nn.Module) -> int:
+    """Axis of the input that holds channels/features: 1 for conv, -1 for linear."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return 1
+    return -1
+
+
+def in_channels(module: nn.Module) -> int:
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return module.in_channels
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    raise TypeError(f"no input-channel count for {type(module).__name__}")
+
+
+def broadcast_rows(values: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
+    """Reshape per-row, per-channel ``values [R, C]`` to broadcast against ``x``.
+
+    Conv input ``[R, C, *spatial]`` → ``[R, C, 1, ...]`` (shared over pixels);
+    linear input ``[R, *tokens, C]`` → ``[R, 1, ..., C]`` (shared over tokens).
+    """
+    rows, chans = values.shape
+    if axis == 1:
+        return values.view(rows, chans, *([1] * (x.dim() - 2)))
+    return values.view(rows, *([1] * (x.dim() - 2)), chans)

@@ -1,0 +1,1 @@
+"""Posterior families, one package each (config, layers, method)."""

@@ -1,0 +1,32 @@
+"""iBNN family: registry entry, type → wrapper table, training/prediction layout."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import nn
+
+from bayesify.core.method import Method
+from bayesify.methods.ibnn.config import IBNNConfig
+from bayesify.methods.ibnn.layers import NodeNoiseLayer
+
+
+class IBNNMethod(Method):
+    """Multiplicative node noise with a K-component mixture posterior.
+
+    Training (Algorithm 1): every example repeated ``samples`` times, rows dealt
+    to components round-robin (inherited default). Prediction: every component
+    with ``predict_samples`` draws, averaged in probability space.
+    """
+
+    name = "ibnn"
+    config_cls = IBNNConfig
+    wrappers: ClassVar = {
+        nn.Linear: NodeNoiseLayer,
+        nn.Conv1d: NodeNoiseLayer,
+        nn.Conv2d: NodeNoiseLayer,
+        nn.Conv3d: NodeNoiseLayer,
+        nn.ConvTranspose1d: NodeNoiseLayer,
+        nn.ConvTranspose2d: NodeNoiseLayer,
+        nn.ConvTranspose3d: NodeNoiseLayer,
+    }
