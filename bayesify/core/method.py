@@ -148,6 +148,11 @@ class Method:
         """Learning rate of the posterior group when ``fit(lr=None)``."""
         return 0.1
 
+    @classmethod
+    def demo_recipe(cls) -> dict[str, Any]:
+        """Options for the digits demo: ``{"options": {...}, "fit": {...}, "predictor": {...}}``."""
+        return {"options": {}, "fit": {"epochs": 10}}
+
     def default_samples_per_component(self) -> int:
         return int(getattr(self.config, "predict_samples", 1))
 

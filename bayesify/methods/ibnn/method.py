@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -30,3 +30,15 @@ class IBNNMethod(Method):
         nn.ConvTranspose2d: NodeNoiseLayer,
         nn.ConvTranspose3d: NodeNoiseLayer,
     }
+
+    def default_lr(self) -> float:
+        # every component sees 1/K of the rows of the mean loss: scale the step by K
+        return 0.05 * self.components
+
+    @classmethod
+    def demo_recipe(cls) -> dict[str, Any]:
+        return {
+            "options": {"components": 4, "samples": 2, "init_mean_std": 0.25, "prior_std": 0.1},
+            "fit": {"epochs": 30, "kl_anneal_epochs": 10},
+            "predictor": {"samples_per_component": 5},
+        }

@@ -1,0 +1,25 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="session")
+def digits():
+    from bayesify.data.digits import load_digits_splits
+
+    return load_digits_splits(seed=0)
+
+
+@pytest.fixture(scope="session")
+def digits_map(digits):
+    """A small CNN trained on digits 0–4 (the 'pretrained' network), shared per session."""
+    from bayesify.data.digits import digits_loaders
+    from bayesify.data.models import DigitsCNN, train_map
+
+    torch.manual_seed(0)
+    loaders = digits_loaders(digits, batch_size=64, seed=0)
+    return train_map(DigitsCNN(digits.num_classes), loaders["train"], epochs=8, seed=0)
