@@ -11,6 +11,7 @@ from bayesify.core.layers import BayesianLayer
 from bayesify.core.model import BayesianModel
 from bayesify.core.registry import get_method_class, list_methods, register_method
 from bayesify.errors import BayesifyError, NonFiniteLossError
+from bayesify.persistence import load_posterior
 from bayesify.predict import BasePredictor, EnsemblePredictor, ModelPredictor, Prediction
 from bayesify.train import fit
 
@@ -38,5 +39,6 @@ __all__ = [
     "fit",
     "get_method_class",
     "list_methods",
+    "load_posterior",
     "register_method",
 ]

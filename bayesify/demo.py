@@ -78,6 +78,8 @@ def run_demo(
             fit_kwargs["epochs"] = epochs
         start = time.perf_counter()
         bnn = bayesify(copy.deepcopy(base), name, **recipe.get("options", {}))
+        if isinstance(fit_kwargs.get("val_loader"), str):  # a recipe names a split, e.g. "val"
+            fit_kwargs["val_loader"] = loaders[fit_kwargs["val_loader"]]
         fit(bnn, loaders["train"], progress=progress, **fit_kwargs)
         predictors[name] = bnn.predictor(**recipe.get("predictor", {}))
         results[name] = evaluate_predictor(predictors[name], loaders, corrupt)

@@ -116,7 +116,7 @@ def test_bootstrap_se_matches_the_standard_error_of_a_mean():
 
 
 class _LinearPair(BasePredictor):
-    """Two float64 linear softmax models, differentiable by construction."""
+    """Two linear softmax models, differentiable by construction."""
 
     def __init__(self) -> None:
         g = torch.Generator().manual_seed(0)
@@ -144,12 +144,12 @@ def test_input_gradient_is_the_gradient_of_the_mixture_nll():
         return metrics.per_example_nll(metrics.mixture_log_probs(logits.double()), y).sum().item()
 
     grad = input_gradient(predictor, x, y)
-    h = 1e-6
+    h = 1e-2  # the mixture is evaluated in float32: a central difference with a wide step
     for b, i in [(0, 0), (2, 3), (4, 1)]:
         step = torch.zeros_like(x)
         step[b, i] = h
         numeric = (loss(x + step) - loss(x - step)) / (2 * h)
-        assert grad[b, i].item() == pytest.approx(numeric, rel=1e-4, abs=1e-6)
+        assert grad[b, i].item() == pytest.approx(numeric, rel=2e-3, abs=1e-4)
 
 
 def test_differentiable_path_reproduces_the_predictor_members(digits, digits_map):
@@ -211,12 +211,13 @@ class _NoGrad(BasePredictor):
 
 
 def test_report_table_and_figures(tmp_path, digits, digits_map):
-    loaders = {"test": DataLoader(digits.test, batch_size=256),
-               "ood": DataLoader(TensorDataset(digits.ood.tensors[0][:200]), batch_size=256)}
+    test = TensorDataset(digits.test.tensors[0][:96], digits.test.tensors[1][:96])
+    loaders = {"test": DataLoader(test, batch_size=64),
+               "ood": DataLoader(TensorDataset(digits.ood.tensors[0][:96]), batch_size=64)}
     bnn = bayesify.bayesify(digits_map, "ibnn", components=2, init_mean_std=0.2)
     predictors = {"map": ModelPredictor(digits_map), "ibnn": bnn.predictor(samples_per_component=2),
                   "nograd": _NoGrad(digits_map)}
-    sweeps = {"gaussian": (0.2, 0.6), "salt_pepper": (0.1,), "rotation": (45.0,)}
+    sweeps = {"gaussian": (0.1, 0.9), "salt_pepper": (0.1,), "rotation": (45.0,)}
     table = report(predictors, loaders, out_dir=tmp_path, sweeps=sweeps, fgsm_epsilons=(0.0, 0.1))
     assert all(tuple(row) == TABLE_KEYS for row in table)
     evaluations = {(r["method"], r["evaluation"]) for r in table}
@@ -231,8 +232,8 @@ def test_report_table_and_figures(tmp_path, digits, digits_map):
     assert clean["map"]["accuracy"] == pytest.approx(fgsm0["map"]["accuracy"])
     assert clean["map"]["epistemic"] == pytest.approx(0.0, abs=1e-6)  # one member: no MI
     gauss = [r for r in table if r["method"] == "map" and r["evaluation"] == "gaussian"]
-    assert gauss[1]["entropy"] > gauss[0]["entropy"]
-    ood = [r for r in table if r["evaluation"] == "ood" and r["method"] == "map"][0]
+    assert gauss[1]["accuracy"] < gauss[0]["accuracy"] <= clean["map"]["accuracy"] + 0.05
+    ood = next(r for r in table if r["evaluation"] == "ood" and r["method"] == "map")
     assert 0.5 < ood["ood_auroc_entropy"] <= 1.0
     skipped = [r for r in table if r["method"] == "nograd" and r["evaluation"] == "fgsm"]
     assert len(skipped) == 1 and "differentiable" in skipped[0]["note"]
@@ -243,3 +244,47 @@ def test_report_table_and_figures(tmp_path, digits, digits_map):
     assert (tmp_path / "report.json").exists()
     with pytest.raises(BayesifyError, match="test"):
         report(predictors, {"ood": loaders["ood"]})
+
+
+# -- peer adapters ---------------------------------------------------------------------------
+
+
+def test_bayesian_torch_kl_sum_is_the_elbo_kl_and_get_kl_loss_averages():
+    pytest.importorskip("bayesian_torch")
+    from bayesify.evaluation import peers
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 4, bias=False), nn.ReLU(), nn.Linear(4, 3, bias=False))
+    bnn = peers.to_bayesian_torch(net, moped_delta=0.1, prior_sigma=0.5)
+    layers = [m for m in bnn.modules() if hasattr(m, "kl_loss")]
+    expected = 0.0
+    per_tensor_means = 0.0
+    for layer, base in zip(layers, (net[0], net[2])):
+        sigma = 0.1 * base.weight.abs()  # MOPED: σ = δ·|w| (up to get_rho's 1e-20 floor)
+        kl = (math.log(0.5) - sigma.log() + (sigma**2 + base.weight**2) / (2 * 0.25) - 0.5)
+        expected += kl.sum().item()
+        per_tensor_means += kl.mean().item()
+    assert peers.bayesian_torch_kl_sum(bnn).item() == pytest.approx(expected, rel=1e-4)
+    assert peers.bayesian_torch_kl_mean(bnn).item() == pytest.approx(per_tensor_means, rel=1e-4)
+    note = peers.kl_scaling_note(bnn)
+    assert note["weights"] == 6 * 4 + 4 * 3 and note["ratio"] > 1
+    # M fixed members: the same seed reproduces them, another seed draws others
+    x = torch.randn(5, 6)
+    pred = peers.SampledModelPredictor(bnn, 3, seed=1)
+    first = pred.member_logits(x)
+    assert torch.equal(first, pred.member_logits(x))
+    assert not torch.allclose(first[0], first[1])
+    assert not torch.equal(first, peers.SampledModelPredictor(bnn, 3, seed=2).member_logits(x))
+    assert differentiable_member_logits(pred, x).requires_grad
+
+
+def test_insert_dropout_wraps_every_layer_but_the_stem():
+    from bayesify.data.models import DigitsCNN
+    from bayesify.evaluation import peers
+
+    model = peers.insert_dropout(DigitsCNN(5), 0.2)
+    drops = [m for m in model.modules() if isinstance(m, nn.Dropout)]
+    assert len(drops) == 3 and all(d.p == 0.2 for d in drops)  # conv2, conv3, fc
+    assert isinstance(model.features[0], nn.Conv2d)
+    with pytest.raises(BayesifyError):
+        peers.insert_dropout(model, 1.5)

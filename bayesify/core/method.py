@@ -144,9 +144,59 @@ class Method:
             outs.append(logits.reshape(ids.shape[0], batch, -1))
         return torch.cat(outs, dim=0)
 
+    # -- persistence and export ------------------------------------------------------
+    def posterior_state(self, bnn: "BayesianModel") -> dict[str, torch.Tensor]:
+        """Non-parameter tensors the posterior needs (e.g. SWAG moments as buffers).
+
+        Keys are base-model module names (``"layer1.0.conv1.sq_mean"``); they are
+        saved next to ``named_posterior_parameters`` by ``save_posterior``.
+        """
+        return {}
+
+    def load_posterior_state(self, bnn: "BayesianModel", state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`posterior_state` returned (keys already checked)."""
+        if state:
+            from bayesify.errors import BayesifyError
+
+            raise BayesifyError(
+                f"method {self.name!r} keeps no posterior state, but the file holds "
+                f"{sorted(state)[:5]}; it was written by a different family or version"
+            )
+
+    def export_module(
+        self,
+        bnn: "BayesianModel",
+        *,
+        samples_per_component: int,
+        seed: int,
+        example_input: torch.Tensor,
+    ) -> nn.Module:
+        """A plain module ``x [B, ...] → member logits [M, B, C]`` with frozen samples.
+
+        Default: a copy of the network whose layers read their per-member noise
+        from tables recorded once from ``SamplingContext.draw`` (seeded exactly as
+        at prediction). Families whose prediction is not "M networks that draw
+        noise through the context" override this or raise a ``BayesifyError``.
+        """
+        from bayesify.predict.export import frozen_noise_members
+
+        return frozen_noise_members(
+            bnn, samples_per_component=samples_per_component, seed=seed,
+            example_input=example_input,
+        )
+
     def default_lr(self) -> float:
         """Learning rate of the posterior group when ``fit(lr=None)``."""
         return 0.1
+
+    def param_groups(self, bnn: "BayesianModel", *, lr: float, weight_decay: float) -> list[dict[str, Any]]:
+        """Optimiser groups of the posterior (the base group is added by the trainer).
+
+        Default: one group ``"posterior"`` at ``lr``. Families with a per-group LR
+        multiplier (BatchEnsemble fast weights) return several groups.
+        """
+        posterior = [p for p in bnn.posterior_parameters() if p.requires_grad]
+        return [{"params": posterior, "lr": lr, "weight_decay": weight_decay, "name": "posterior"}]
 
     @classmethod
     def demo_recipe(cls) -> dict[str, Any]:

@@ -154,6 +154,12 @@ class BayesianModel(nn.Module):
 
         return EnsemblePredictor(self, samples_per_component=samples_per_component, **kwargs)
 
+    def save_posterior(self, directory: Any) -> Any:
+        """Write ``posterior.safetensors`` + ``bayesify.json``; see ``bayesify.persistence``."""
+        from bayesify.persistence import save_posterior
+
+        return save_posterior(self, directory)
+
     # -- undo / describe -----------------------------------------------------------------
     def unwrap(self) -> nn.Module:
         """A copy of the base network with every wrapper replaced by its ``base_layer``.

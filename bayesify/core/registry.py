@@ -13,6 +13,14 @@ from bayesify.errors import BayesifyError
 _METHODS: dict[str, str] = {
     "ibnn": "bayesify.methods.ibnn.method:IBNNMethod",
     # registry lines of further families go below this one
+    "meanfield": "bayesify.methods.meanfield.method:MeanFieldMethod",
+    "hypernet": "bayesify.methods.hypernet.method:HypernetMethod",
+    "swag": "bayesify.methods.swag.method:SWAGMethod",
+    "laplace": "bayesify.methods.laplace.method:LaplaceMethod",
+    "rank1": "bayesify.methods.rank1.method:Rank1Method",
+    "batchensemble": "bayesify.methods.batchensemble.method:BatchEnsembleMethod",
+    "dropout": "bayesify.methods.dropout.method:DropoutMethod",
+    "ensemble": "bayesify.methods.ensemble.method:EnsembleMethod",
 }
 
 

@@ -38,6 +38,18 @@ class BasePredictor:
     def __call__(self, x: torch.Tensor) -> Prediction:
         return Prediction(self.member_logits(x) / self.temperature)
 
+    def calibrate(self, val_loader: Iterable, method: str = "temperature", **kwargs: Any) -> Any:
+        """Fit ``self.temperature`` on validation data; see ``bayesify.predict.calibration``."""
+        from bayesify.predict.calibration import calibrate
+
+        return calibrate(self, val_loader, method=method, **kwargs)
+
+    def export(self, path: Any, example_input: torch.Tensor, format: str = "pt2", **kwargs: Any) -> Any:
+        """Save a plain ``x → (probs, epistemic)`` module; see ``bayesify.predict.export``."""
+        from bayesify.predict.export import export_predictor
+
+        return export_predictor(self, path, example_input, format=format, **kwargs)
+
     def collect(self, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Member logits ``[M, N, C]`` (CPU, uncalibrated) and labels ``[N]`` over a loader."""
         logits, labels = [], []

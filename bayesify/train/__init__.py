@@ -1,6 +1,24 @@
-"""Training: the ELBO loop shared by every gradient-trained family."""
+"""Training: the ELBO loop shared by every gradient-trained family.
 
-from bayesify.train.loop import FitResult, fit
-from bayesify.train.schedules import beta_schedule, lr_factor
+``fit`` is data parallel under ``torchrun`` (DDP, sharded global batches,
+per-rank noise streams), supports bf16 AMP, ``channels_last``, ``torch.compile``,
+gradient accumulation and clipping, and writes atomic, resumable checkpoints.
+"""
 
-__all__ = ["FitResult", "beta_schedule", "fit", "lr_factor"]
+from bayesify.train.distributed import DistContext, cleanup_distributed, setup_distributed
+from bayesify.train.evaluate import evaluate_sharded
+from bayesify.train.loop import FitResult, TrainState, fit
+from bayesify.train.schedules import beta_schedule, lr_factor, parse_schedule
+
+__all__ = [
+    "DistContext",
+    "FitResult",
+    "TrainState",
+    "beta_schedule",
+    "cleanup_distributed",
+    "evaluate_sharded",
+    "fit",
+    "lr_factor",
+    "parse_schedule",
+    "setup_distributed",
+]

@@ -1,0 +1,36 @@
+"""Configuration of BatchEnsemble (defaults from Wen et al. 2020)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bayesify.core.config import MethodConfig, option, require
+from bayesify.methods.rank1.layers import INIT_CHOICES
+
+
+@dataclass(frozen=True)
+class BatchEnsembleConfig(MethodConfig):
+    components: int = option(4, "K: ensemble members (fast-weight pairs r_k, s_k per layer).")
+    init: str = option(
+        "normal", "Initial fast weights: 'normal' (N(1, init_std²)), 'random_sign' (±1, "
+        "P(+1) = sign_prob) or 'ones' (r = s = 1: every member is the base network)."
+    )
+    init_std: float = option(0.5, "Std of the 'normal' init of the fast weights around 1.")
+    sign_prob: float = option(0.5, "P(+1) of the 'random_sign' init.")
+    fast_lr_mult: float = option(
+        0.5, "Learning-rate multiplier of the fast weights r, s relative to the other "
+        "posterior tensors (per-member biases, per-member BN); 0.25–0.5 in the paper."
+    )
+    member_bias: bool = option(True, "A bias per member (from the base bias) where the layer has one.")
+    per_member_bn: bool = option(
+        False, "One BatchNorm (statistics + γ, β) per member, initialised from the pretrained "
+        "BN; False shares the frozen pretrained BN."
+    )
+
+    def validate(self) -> None:
+        require(isinstance(self.components, int) and self.components > 0,
+                f"components must be a positive integer, got {self.components!r}")
+        require(self.init in INIT_CHOICES, f"init must be one of {INIT_CHOICES}, got {self.init!r}")
+        require(self.init_std >= 0, f"init_std must be >= 0, got {self.init_std}")
+        require(0.0 <= self.sign_prob <= 1.0, f"sign_prob must be in [0, 1], got {self.sign_prob}")
+        require(self.fast_lr_mult > 0, f"fast_lr_mult must be > 0, got {self.fast_lr_mult}")

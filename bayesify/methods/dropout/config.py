@@ -1,0 +1,34 @@
+"""Configuration of MC dropout (Gal & Ghahramani 2016)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bayesify.core.config import MethodConfig, option, require
+
+GRANULARITIES = ("element", "channel")
+
+
+@dataclass(frozen=True)
+class DropoutConfig(MethodConfig):
+    p: float = option(0.1, "Dropout rate before every target layer (kept active at prediction).")
+    granularity: str = option(
+        "element", "'element': one Bernoulli per activation (Gal & Ghahramani); 'channel': one "
+        "per input channel, shared over pixels / tokens (spatial dropout)."
+    )
+    train_weights: bool = option(
+        True, "Fine-tune the target layers' weights under dropout: the variational parameters M "
+        "of q(W) = M·diag(Bernoulli), a copy initialised from the pretrained weights (the base "
+        "layer itself stays untouched). False = post-hoc MC dropout on the frozen network."
+    )
+    samples: int = option(1, "Training repeats of every example (each with its own mask).")
+    predict_samples: int = option(8, "M: dropout masks (members) at prediction.")
+
+    def validate(self) -> None:
+        require(0.0 <= self.p < 1.0, f"p must be in [0, 1), got {self.p}")
+        require(self.granularity in GRANULARITIES,
+                f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        require(isinstance(self.samples, int) and self.samples > 0,
+                f"samples must be a positive integer, got {self.samples!r}")
+        require(isinstance(self.predict_samples, int) and self.predict_samples > 0,
+                f"predict_samples must be a positive integer, got {self.predict_samples!r}")

@@ -1,0 +1,38 @@
+"""Configuration of deep ensembles and snapshot ensembles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bayesify.core.config import MethodConfig, option, require
+
+HEAD_INITS = ("random", "pretrained")
+
+
+@dataclass(frozen=True)
+class EnsembleConfig(MethodConfig):
+    components: int = option(4, "M: ensemble members (weight copies of every target layer).")
+    head_init: str = option(
+        "random", "'random': every member's classifier is re-initialised with its own seed (the "
+        "source of diversity when all members start from one pretrained net); 'pretrained': "
+        "every member starts as the base network."
+    )
+    init_noise: float = option(
+        0.0, "Relative multiplicative jitter of the copied weights, w_k = w·(1 + σ·ε), per member."
+    )
+    seed: int = option(0, "Seed of member k's head initialisation and jitter is seed + k.")
+    per_member_bn: bool = option(
+        False, "One BatchNorm (statistics + γ, β) per member: with targets='all' every "
+        "Conv/Linear/BN is then a separate copy per member."
+    )
+    snapshot: bool = option(
+        False, "Snapshot ensemble (Huang et al. 2017): one run with a cyclic cosine LR over "
+        "M cycles; the weights at the end of cycle k become member k."
+    )
+
+    def validate(self) -> None:
+        require(isinstance(self.components, int) and self.components > 0,
+                f"components must be a positive integer, got {self.components!r}")
+        require(self.head_init in HEAD_INITS,
+                f"head_init must be one of {HEAD_INITS}, got {self.head_init!r}")
+        require(self.init_noise >= 0, f"init_noise must be >= 0, got {self.init_noise}")

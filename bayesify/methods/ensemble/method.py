@@ -1,0 +1,162 @@
+"""ensemble family: deep ensembles (Lakshminarayanan et al. 2017) and snapshot ensembles.
+
+Design (one tiled module rather than M model objects): every target layer holds M
+weight copies and rows are routed by member, so the M members train together in one
+batch-tiled forward (mathematically M independent fine-tunings on the same batch
+sequence: their parameters are disjoint) and predict through the shared
+``EnsemblePredictor`` with member outputs stacked ``[M, B, C]``.
+
+What is per member: every wrapped Conv/Linear (``targets='all'``, the default; use
+``targets='last_layer'`` for head-only ensembles) and, with ``per_member_bn=True``,
+every BatchNorm (statistics and γ, β). What is shared: parameters of modules that
+are not wrapped (LayerNorm, embeddings, position embeddings, ...); they stay frozen
+unless ``fit(base_lr > 0)``, in which case they are fine-tuned jointly — members are
+then no longer fully independent. Diversity comes from a per-member random head
+(``head_init='random'``, seeded ``seed + k``) and optional weight jitter.
+
+Snapshot ensembles (``snapshot=True``, Huang et al. 2017): one SGD run with a cyclic
+cosine learning rate over M cycles; the weights reached at the end of cycle k are
+member k (the next cycle continues from them in the next slot).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from bayesify.core.member_bn import MemberBatchNorm
+from bayesify.core.method import logits_of, tile
+from bayesify.core.walker import find_classifier
+from bayesify.errors import BayesifyError, NonFiniteLossError
+from bayesify.methods.ensemble.config import EnsembleConfig
+from bayesify.methods.ensemble.layers import EnsembleLayer
+from bayesify.methods.rank1.tiled import TiledMethod
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
+
+
+class EnsembleMethod(TiledMethod):
+    """M weight copies per target layer, trained tiled (or as snapshots), stacked at prediction."""
+
+    name = "ensemble"
+    config_cls = EnsembleConfig
+    wrappers: ClassVar = {
+        nn.Linear: EnsembleLayer,
+        nn.Conv1d: EnsembleLayer,
+        nn.Conv2d: EnsembleLayer,
+        nn.Conv3d: EnsembleLayer,
+    }
+
+    def __init__(self, config: EnsembleConfig) -> None:
+        super().__init__(config)
+        # snapshot ensembles run their own cyclic-LR loop (post-hoc style fit)
+        self.gradient_trained = not config.snapshot
+        self.active_member = 0
+
+    def prepare(self, bnn: BayesianModel) -> None:
+        super().prepare(bnn)
+        if self.config.head_init == "random" and not self.config.snapshot:
+            head = find_classifier(bnn.model)
+            layers = bnn.bayesian_layers()
+            name = head.removesuffix(".base_layer") if head else None
+            layer = layers.get(name) if name else None
+            if isinstance(layer, EnsembleLayer):
+                for k in range(self.components):
+                    layer.reset_member(k, torch.Generator().manual_seed(self.config.seed + k))
+
+    def default_samples_per_component(self) -> int:
+        return 1  # members are deterministic networks
+
+    def default_lr(self) -> float:
+        # the mean loss over M tiled copies gives each member 1/M of its gradient
+        return 0.01 * self.components
+
+    # -- snapshot ensembles --------------------------------------------------------------
+    def training_forward(
+        self, bnn: BayesianModel, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.config.snapshot:
+            return super().training_forward(bnn, x, y)
+        comp = torch.full((x.shape[0],), self.active_member, dtype=torch.long, device=x.device)
+        with bnn.context.use(comp):
+            return logits_of(bnn.model(tile(x, 1))), y
+
+    def _copy_member(self, bnn: BayesianModel, source: int, target: int) -> None:
+        with torch.no_grad():
+            for layer in bnn.bayesian_layers().values():
+                if isinstance(layer, EnsembleLayer):
+                    layer.copy_member(source, target)
+                elif isinstance(layer, MemberBatchNorm):
+                    for t in (layer.member_weight, layer.member_bias, layer.member_running_mean,
+                              layer.member_running_var):
+                        t[target].copy_(t[source])
+
+    def fit(self, bnn: BayesianModel, loader: Any, **kwargs: Any) -> dict[str, Any] | None:
+        """Snapshot ensemble: SGD with a cosine LR restarted every ``epochs·steps / M`` steps.
+
+        Options: ``epochs``, ``lr`` (peak LR of every cycle), ``momentum`` (0.9),
+        ``progress``. Member k's slot is trained during cycle k, starting from the
+        end of cycle k−1; the optimiser state is reset at every restart.
+        """
+        if not self.config.snapshot:
+            return None
+        epochs = int(kwargs.pop("epochs", 1))
+        lr = kwargs.pop("lr", None) or 0.01
+        momentum = float(kwargs.pop("momentum", 0.9))
+        progress = bool(kwargs.pop("progress", False))
+        device = kwargs.pop("device", None) or bnn.device
+        if kwargs:
+            raise BayesifyError(f"unknown fit option(s) for snapshot ensembles: {sorted(kwargs)}")
+        steps_per_epoch = len(loader)
+        cycle = epochs * steps_per_epoch / self.components
+        if cycle < 1:
+            raise BayesifyError(
+                f"snapshot ensemble needs at least one step per member: {epochs} epoch(s) × "
+                f"{steps_per_epoch} step(s) < components={self.components}; train longer"
+            )
+        params = [p for p in bnn.posterior_parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        bnn.train()
+        self.active_member, step, losses = 0, 0, []
+        bar = tqdm(total=epochs * steps_per_epoch, desc="snapshot ensemble", disable=not progress, leave=False)
+        for _ in range(epochs):
+            for batch in loader:
+                x, y = batch[0].to(device), batch[1].to(device)
+                member = min(int(step // cycle), self.components - 1)
+                if member != self.active_member:
+                    self._copy_member(bnn, self.active_member, member)
+                    self.active_member = member
+                    opt.state.clear()  # old slots get zero gradients; no stale momentum
+                phase = (step - member * cycle) / cycle
+                for group in opt.param_groups:
+                    group["lr"] = 0.5 * lr * (1 + math.cos(math.pi * min(phase, 1.0)))
+                logits, targets = self.training_forward(bnn, x, y)
+                loss = F.cross_entropy(logits.float(), targets)
+                if not torch.isfinite(loss):
+                    raise NonFiniteLossError(f"non-finite loss at snapshot step {step}; lower lr")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+                step += 1
+                bar.update(1)
+        bar.close()
+        self.active_member = 0
+        bnn.eval()
+        return {"loss": sum(losses) / max(len(losses), 1), "steps": step, "snapshots": self.components}
+
+    @classmethod
+    def demo_recipe(cls) -> dict[str, Any]:
+        return {
+            # random heads + weight jitter + per-member BN for diversity; wd keeps logits tame
+            "options": {"components": 4, "head_init": "random", "init_noise": 0.2,
+                        "per_member_bn": True},
+            "fit": {"epochs": 10, "weight_decay": 0.005},
+            "predictor": {"samples_per_component": 1},
+        }

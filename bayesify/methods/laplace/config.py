@@ -1,0 +1,79 @@
+"""Configuration of the Laplace family (defaults from laplace-torch / Daxberger et al.)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bayesify.core.config import MethodConfig, option, require
+
+STRUCTURES = ("kron", "diag", "full")
+LINKS = ("probit", "mc", "bridge")
+PRIOR_METHODS = ("marglik", "val_nll", "fixed")
+
+
+@dataclass(frozen=True)
+class LaplaceConfig(MethodConfig):
+    targets: Any = option(  # noqa: RUF009 - same field as the base config, new default
+        "last_layer", "Layers under the posterior: 'last_layer' (default; kron/diag/full) or any "
+        "subnetwork ('all', 'last:K', names) with structure='diag'."
+    )
+    structure: str = option(
+        "kron", "Hessian structure: 'kron' (KFAC G ⊗ A / N), 'diag' or 'full'. kron and full "
+        "need a single Linear classifier target; diag works for any subnetwork."
+    )
+    prior_precision: float = option(1.0, "τ: initial (or, with prior_method='fixed', final) prior precision.")
+    prior_method: str = option(
+        "marglik", "How τ is chosen: 'marglik' (Adam on log τ maximising the Laplace marginal "
+        "likelihood), 'val_nll' (grid search on fit(val_loader=...)), or 'fixed'."
+    )
+    prior_per_layer: bool = option(False, "One τ per wrapped layer instead of one scalar (marglik).")
+    marglik_steps: int = option(100, "Adam steps on log τ.")
+    marglik_lr: float = option(0.1, "Adam learning rate on log τ.")
+    val_grid: tuple[float, float, int] = option(
+        (1e-4, 1e4, 41), "(low, high, count): log-spaced τ grid of prior_method='val_nll'."
+    )
+    val_rule: str = option(
+        "min", "val_nll choice: 'min' (lowest validation NLL) or 'one_se' (the broadest "
+        "posterior, i.e. smallest τ, whose validation NLL is within one standard error of the "
+        "lowest — the one-standard-error rule)."
+    )
+    link: str = option(
+        "probit", "Predictive link of the linearised (GLM) predictive: 'probit' "
+        "(softmax(f/sqrt(1+π/8·diag Σ_f))), 'bridge' (Laplace bridge) or 'mc' (samples)."
+    )
+    predict_samples: int = option(100, "Samples of the 'mc' link (members M).")
+    diag_ggn: str = option(
+        "exact", "Subnetwork diagonal GGN: 'exact' (C Jacobian rows per example) or 'mc' "
+        "(Fisher with labels sampled from the model, cheaper for many classes)."
+    )
+    ggn_samples: int = option(1, "Sampled labels per example of diag_ggn='mc'.")
+    max_full_params: int = option(
+        20_000, "Refuse structure='full' above this many parameters (P² memory)."
+    )
+    jacobian_chunk: int = option(
+        2**24, "Bound on B·C·P elements of one chunk of per-example Jacobians (subnetwork)."
+    )
+
+    def validate(self) -> None:
+        require(self.structure in STRUCTURES,
+                f"structure must be one of {STRUCTURES}, got {self.structure!r}")
+        require(self.val_rule in ("min", "one_se"),
+                f"val_rule must be 'min' or 'one_se', got {self.val_rule!r}")
+        require(self.link in LINKS, f"link must be one of {LINKS}, got {self.link!r}")
+        require(self.prior_method in PRIOR_METHODS,
+                f"prior_method must be one of {PRIOR_METHODS}, got {self.prior_method!r}")
+        require(self.prior_precision > 0, f"prior_precision must be > 0, got {self.prior_precision}")
+        require(isinstance(self.marglik_steps, int) and self.marglik_steps >= 0,
+                f"marglik_steps must be an integer >= 0, got {self.marglik_steps!r}")
+        require(self.marglik_lr > 0, f"marglik_lr must be > 0, got {self.marglik_lr}")
+        require(len(self.val_grid) == 3 and 0 < self.val_grid[0] < self.val_grid[1]
+                and int(self.val_grid[2]) >= 2,
+                f"val_grid must be (low > 0, high > low, count >= 2), got {self.val_grid!r}")
+        require(isinstance(self.predict_samples, int) and self.predict_samples > 0,
+                f"predict_samples must be a positive integer, got {self.predict_samples!r}")
+        require(self.diag_ggn in ("exact", "mc"),
+                f"diag_ggn must be 'exact' or 'mc', got {self.diag_ggn!r}")
+        require(isinstance(self.ggn_samples, int) and self.ggn_samples > 0,
+                f"ggn_samples must be a positive integer, got {self.ggn_samples!r}")
+        require(self.jacobian_chunk > 0, f"jacobian_chunk must be > 0, got {self.jacobian_chunk}")

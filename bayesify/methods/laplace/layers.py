@@ -1,0 +1,90 @@
+"""Laplace wrapper: a passthrough layer that stores its curvature and captures features.
+
+Buffers (what the posterior stores, filled by ``LaplaceMethod.fit``):
+
+* ``structure='kron'``: ``kron_input [D', D'] = Σ_n ã_n ã_nᵀ`` (ã = [a, 1] with a bias)
+  and ``kron_output [C, C] = Σ_n Λ_n``, Λ_n = diag(p_n) − p_n p_nᵀ;
+* ``structure='full'``: ``ggn_full [P, P]`` over θ = vec([W | b]) (row-major, P = C·D');
+* ``structure='diag'``: ``ggn_diag [P]`` over the parameters in order (weight, then bias);
+
+plus ``prior_precision`` (τ of this layer) and ``n_data`` (N). While ``capturing`` is
+set, the forward keeps its input and output so the last-layer curvature and the
+predictive need no second forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bayesify.core.context import SamplingContext
+from bayesify.core.layers import BayesianLayer
+from bayesify.errors import BayesifyError
+from bayesify.methods.laplace.config import LaplaceConfig
+
+
+class LaplaceLayer(BayesianLayer):
+    """Wraps a Linear/Conv; its parameters are the MAP mean θ* of the Laplace posterior."""
+
+    def __init__(self, base_layer: nn.Module, *, context: SamplingContext, config: LaplaceConfig) -> None:
+        super().__init__(base_layer, context)
+        self.structure = config.structure
+        weight = base_layer.weight
+        dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
+        factory = {"device": weight.device, "dtype": dtype}
+        if config.structure in ("kron", "full") and not isinstance(base_layer, nn.Linear):
+            raise BayesifyError(
+                f"structure={config.structure!r} is implemented for a Linear classifier (the "
+                f"last layer); got a {type(base_layer).__name__}. Use structure='diag' for "
+                "convolutional / subnetwork targets"
+            )
+        self.has_bias = getattr(base_layer, "bias", None) is not None
+        if config.structure == "kron":
+            d = base_layer.in_features + int(self.has_bias)
+            self.register_buffer("kron_input", torch.zeros(d, d, **factory))
+            self.register_buffer("kron_output", torch.zeros(base_layer.out_features, base_layer.out_features, **factory))
+        elif config.structure == "full":
+            p = self.num_params()
+            if p > config.max_full_params:
+                raise BayesifyError(
+                    f"structure='full' on {p} parameters needs a {p}×{p} matrix; above "
+                    f"max_full_params={config.max_full_params}. Use 'kron' or 'diag'"
+                )
+            self.register_buffer("ggn_full", torch.zeros(p, p, **factory))
+        else:
+            self.register_buffer("ggn_diag", torch.zeros(self.num_params(), **factory))
+        self.register_buffer("prior_precision", torch.tensor(float(config.prior_precision), **factory))
+        self.register_buffer("n_data", torch.zeros((), **factory))
+        self.capturing = False
+        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        out = self.base_layer(x, *args, **kwargs)
+        if self.capturing:
+            self.captured = (x, out)
+        return out
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.base_layer.parameters())
+
+    def num_nodes(self) -> int:
+        return self.num_params()
+
+    def map_weights(self) -> torch.Tensor:
+        """``[C, D']`` = [W | b] of a Linear layer (the MAP mean in matrix form)."""
+        w = self.base_layer.weight
+        if self.has_bias:
+            return torch.cat([w, self.base_layer.bias.unsqueeze(1)], dim=1)
+        return w
+
+    def map_vector(self) -> torch.Tensor:
+        """``[P]`` θ* in the order of ``ggn_diag`` (weight then bias, flattened)."""
+        return torch.cat([p.reshape(-1) for p in self.base_layer.parameters()])
+
+    def reset_curvature(self) -> None:
+        for name in ("kron_input", "kron_output", "ggn_full", "ggn_diag", "n_data"):
+            if hasattr(self, name):
+                getattr(self, name).zero_()
+
+    def extra_repr(self) -> str:
+        return f"structure={self.structure}, params={self.num_params()}"

@@ -1,0 +1,215 @@
+"""What the Laplace posterior stores and computes: precision ``H + τI``, log-determinants,
+functional (GLM) variances, samples and the Laplace marginal likelihood.
+
+All classes are thin views over the curvature buffers of the wrapped layers; τ is
+passed explicitly (a tensor, differentiable for marginal-likelihood tuning).
+Functional variance of the linearised model ``f ~ N(f*, J Σ Jᵀ)`` is returned as
+three ``[B, C]``/``[B]`` pieces — ``diag Σ_f``, ``Σ_f 1`` and ``1ᵀ Σ_f 1`` — which is
+all that the probit and bridge links need, so no ``[B, C, C]`` is ever built.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bayesify.methods.laplace.layers import LaplaceLayer
+
+FunctionalVariance = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class LastLayerKron:
+    """Precision ``G ⊗ A / N + τI`` over θ = vec([W | b]) (KFAC: E[Λ⊗ããᵀ] ≈ E[Λ]⊗E[ããᵀ]).
+
+    With ``A = Q_A diag(λ_A) Q_Aᵀ`` and ``G = Q_G diag(λ_G) Q_Gᵀ`` the precision has
+    eigenvectors ``Q_G ⊗ Q_A`` and eigenvalues ``λ_G λ_Aᵀ / N + τ``.
+    """
+
+    def __init__(self, layer: LaplaceLayer) -> None:
+        self.layer = layer
+        n = layer.n_data.clamp_min(1)
+        eig_a, self.q_a = torch.linalg.eigh(layer.kron_input)
+        eig_g, self.q_g = torch.linalg.eigh(layer.kron_output)
+        self.eig = torch.outer(eig_g.clamp_min(0), eig_a.clamp_min(0)) / n  # [C, D']
+        self.mean = layer.map_weights().detach()  # [C, D']
+
+    @property
+    def num_params(self) -> int:
+        return self.eig.numel()
+
+    def log_det(self, tau: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.eig + tau).sum()
+
+    def precision(self, tau: torch.Tensor) -> torch.Tensor:
+        """Dense ``[P, P]`` precision (tests / small layers only)."""
+        n = self.layer.n_data.clamp_min(1)
+        h = torch.kron(self.layer.kron_output, self.layer.kron_input) / n
+        return h + tau * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+
+    def functional_variance(self, feats: torch.Tensor, tau: torch.Tensor) -> FunctionalVariance:
+        """``Σ_f = Q_G diag(s) Q_Gᵀ`` per example with ``s_g = Σ_a (Q_Aᵀã)_a² / (λ_g λ_a/N + τ)``."""
+        s = (feats @ self.q_a).square() @ (1.0 / (self.eig + tau)).T  # [B, C]
+        q1 = self.q_g.sum(0)  # Q_Gᵀ 1
+        diag = s @ self.q_g.square().T
+        rowsum = (s * q1) @ self.q_g.T
+        return diag, rowsum, (s * q1.square()).sum(-1)
+
+    def sample_weights(self, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+        """``[S, C, D']`` samples from standard normal ``z [S, C, D']``: W* + Q_G (z/√(λ+τ)) Q_Aᵀ."""
+        return self.mean + self.q_g @ (z / torch.sqrt(self.eig + tau)) @ self.q_a.T
+
+
+class LastLayerDiag:
+    """Precision ``diag(h) + τI``; ``h [C, D']`` in matrix form of [W | b]."""
+
+    def __init__(self, layer: LaplaceLayer) -> None:
+        self.layer = layer
+        c = layer.base_layer.out_features
+        flat = layer.ggn_diag
+        d = layer.base_layer.in_features
+        weight = flat[: c * d].view(c, d)
+        self.h = torch.cat([weight, flat[c * d:].view(c, 1)], 1) if layer.has_bias else weight
+        self.mean = layer.map_weights().detach()
+
+    @property
+    def num_params(self) -> int:
+        return self.h.numel()
+
+    def log_det(self, tau: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.h + tau).sum()
+
+    def precision(self, tau: torch.Tensor) -> torch.Tensor:
+        """Dense ``[P, P]`` precision over vec([W | b]) (tests)."""
+        return torch.diag(self.h.reshape(-1) + tau)
+
+    def functional_variance(self, feats: torch.Tensor, tau: torch.Tensor) -> FunctionalVariance:
+        """Σ_f is diagonal: ``Σ_f[c, c] = Σ_d ã_d² / (h_cd + τ)``."""
+        diag = feats.square() @ (1.0 / (self.h + tau)).T
+        return diag, diag, diag.sum(-1)
+
+    def sample_weights(self, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+        return self.mean + z / torch.sqrt(self.h + tau)
+
+
+class LastLayerFull:
+    """Precision ``H + τI`` with the full ``[P, P]`` GGN over θ = vec([W | b])."""
+
+    def __init__(self, layer: LaplaceLayer) -> None:
+        self.layer = layer
+        self.h = layer.ggn_full
+        self.mean = layer.map_weights().detach()
+        self._cache: tuple[float, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def num_params(self) -> int:
+        return self.h.shape[0]
+
+    def precision(self, tau: torch.Tensor) -> torch.Tensor:
+        return self.h + tau * torch.eye(self.h.shape[0], dtype=self.h.dtype, device=self.h.device)
+
+    def log_det(self, tau: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.cholesky(self.precision(tau)).diagonal().log().sum() * 2
+
+    def _covariance(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Σ [P, P], chol(Σ))``, cached per τ value."""
+        key = float(tau)
+        if self._cache is None or self._cache[0] != key:
+            chol = torch.linalg.cholesky(self.precision(tau.detach()))
+            cov = torch.cholesky_inverse(chol)
+            self._cache = (key, cov, torch.linalg.cholesky(cov))
+        return self._cache[1], self._cache[2]
+
+    def functional_variance(self, feats: torch.Tensor, tau: torch.Tensor) -> FunctionalVariance:
+        c, d = self.mean.shape
+        cov = self._covariance(tau)[0].view(c, d, c, d)
+        diag = torch.einsum("bd,cdce,be->bc", feats, cov, feats)
+        rowsum = torch.einsum("bd,cde,be->bc", feats, cov.sum(2), feats)
+        return diag, rowsum, rowsum.sum(-1)
+
+    def sample_weights(self, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+        chol = self._covariance(tau)[1]
+        s = z.shape[0]
+        return self.mean + (z.reshape(s, -1) @ chol.T).view_as(z)
+
+
+class SubnetworkDiag:
+    """Diagonal Laplace over any set of layers: precision ``diag(h) + τ_l`` per layer l."""
+
+    def __init__(self, layers: list[LaplaceLayer]) -> None:
+        self.layers = layers
+        self.h = torch.cat([layer.ggn_diag for layer in layers])
+        self.sizes = [layer.num_params() for layer in layers]
+
+    @property
+    def num_params(self) -> int:
+        return self.h.numel()
+
+    def expand(self, tau: torch.Tensor) -> torch.Tensor:
+        """τ (scalar or ``[L]``) → ``[P]``."""
+        if tau.numel() == 1:
+            return tau.reshape(()).expand(self.h.shape)
+        sizes = torch.tensor(self.sizes, device=tau.device)
+        return tau.repeat_interleave(sizes)
+
+    def log_det(self, tau: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.h + self.expand(tau)).sum()
+
+    def precision(self, tau: torch.Tensor) -> torch.Tensor:
+        return torch.diag(self.h + self.expand(tau))
+
+    def variance(self, tau: torch.Tensor) -> torch.Tensor:
+        return 1.0 / (self.h + self.expand(tau))
+
+    def functional_variance_from_jacobians(self, jac: torch.Tensor, tau: torch.Tensor) -> FunctionalVariance:
+        """From ``J [B, C, P]``: diag = Σ_p J_cp² σ_p², rowsum = Σ_p J_cp σ_p² Σ_k J_kp."""
+        var = self.variance(tau).to(jac.dtype)
+        col = jac.sum(1)  # [B, P]
+        diag = jac.square() @ var
+        rowsum = (jac * var) @ col.unsqueeze(2)
+        return diag, rowsum.squeeze(2), (col.square() * var).sum(-1)
+
+
+def log_marginal_likelihood(
+    log_det_posterior: torch.Tensor,
+    tau: torch.Tensor,
+    *,
+    loss: torch.Tensor,
+    map_sq_norms: torch.Tensor,
+    sizes: list[int],
+) -> torch.Tensor:
+    """Laplace evidence ``log p(D) ≈ −ℓ(θ*) − ½(log|H+τ| − Σ_l P_l log τ_l) − ½ Σ_l τ_l ‖θ*_l‖²``.
+
+    ``loss`` = summed training cross-entropy at θ*, ``map_sq_norms [L]`` and ``sizes``
+    per layer; ``tau`` scalar or ``[L]`` (prior mean 0, as in laplace-torch).
+    """
+    tau_l = tau.reshape(-1).expand(len(sizes)) if tau.numel() == 1 else tau
+    sizes_t = torch.tensor(sizes, dtype=tau.dtype, device=tau.device)
+    log_det_prior = (sizes_t * torch.log(tau_l)).sum()
+    scatter = (tau_l * map_sq_norms).sum()
+    return -loss - 0.5 * (log_det_posterior - log_det_prior) - 0.5 * scatter
+
+
+def probit_log_probs(logits: torch.Tensor, var_diag: torch.Tensor) -> torch.Tensor:
+    """``log softmax(f / sqrt(1 + π/8 · diag Σ_f))`` ``[B, C]``."""
+    return torch.log_softmax(logits / torch.sqrt(1.0 + math.pi / 8.0 * var_diag), dim=-1)
+
+
+def bridge_log_probs(logits: torch.Tensor, fvar: FunctionalVariance) -> torch.Tensor:
+    """Laplace bridge (Hobbhahn et al.) as in laplace-torch: log of the Dirichlet mean α/Σα.
+
+    Zero-mean correction with ``Σ_f 1`` and ``1ᵀ Σ_f 1`` only (no ``[B, C, C]``)::
+
+        μ = f − (Σ_f 1)(1ᵀ f)/(1ᵀ Σ_f 1),   v = diag Σ_f − (Σ_f 1)²/(1ᵀ Σ_f 1)
+        α_c = (1 − 2/C + e^{μ_c} Σ_l e^{−μ_l} / C²) / v_c
+    """
+    diag, rowsum, total = fvar
+    dtype = logits.dtype
+    f, diag, rowsum, total = (t.double() for t in (logits, diag, rowsum, total))
+    c = f.shape[-1]
+    mu = f - rowsum * f.sum(-1, keepdim=True) / total.unsqueeze(-1)
+    var = diag - rowsum.square() / total.unsqueeze(-1)
+    cross = torch.exp(mu + torch.logsumexp(-mu, dim=-1, keepdim=True))
+    alpha = (1 - 2 / c + cross / c**2) / var
+    probs = torch.nan_to_num(alpha / alpha.sum(-1, keepdim=True), nan=1.0 / c)
+    return probs.clamp_min(torch.finfo(torch.float64).tiny).log().to(dtype)

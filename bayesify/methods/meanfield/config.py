@@ -1,0 +1,91 @@
+"""Configuration of the mean-field family (Bayes by Backprop, Blundell et al. 2015)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bayesify.core.config import MethodConfig, option, require
+from bayesify.methods.meanfield.priors import PRIORS
+
+SAMPLING_MODES = ("local_reparam", "flipout", "weights")
+PREDICT_SAMPLING_MODES = ("auto", "weights", "local_reparam")
+KL_WEIGHTINGS = ("uniform", "blundell")
+
+
+@dataclass(frozen=True)
+class WeightPriorConfig(MethodConfig):
+    """Prior fields shared by the weight-space families (meanfield, hypernet)."""
+
+    prior: str = option(
+        "gaussian",
+        "Weight prior: 'gaussian' N(0, σ²), 'pretrained' N(w₀, σ²) centred on the pretrained "
+        "weights, or 'scale_mixture' π N(0, σ₁²) + (1−π) N(0, σ₂²) per weight.",
+    )
+    prior_std: float = option(1.0, "σ of the 'gaussian' and 'pretrained' priors.")
+    mixture_pi: float = option(0.5, "π of the scale-mixture prior.")
+    mixture_std1: float = option(1.0, "σ₁ (wide component) of the scale-mixture prior.")
+    mixture_std2: float = option(math.exp(-6), "σ₂ (narrow component) of the scale-mixture prior.")
+
+    def validate(self) -> None:
+        require(self.prior in PRIORS, f"prior must be one of {PRIORS}, got {self.prior!r}")
+        require(self.prior_std > 0, f"prior_std must be > 0, got {self.prior_std}")
+        require(0.0 <= self.mixture_pi <= 1.0, f"mixture_pi must be in [0, 1], got {self.mixture_pi}")
+        require(self.mixture_std1 > 0 and self.mixture_std2 > 0,
+                f"mixture stds must be > 0, got {self.mixture_std1}, {self.mixture_std2}")
+
+
+@dataclass(frozen=True)
+class MeanFieldConfig(WeightPriorConfig):
+    samples: int = option(
+        1, "S: training repeats of every example (each repeat its own noise / weight sample)."
+    )
+    predict_samples: int = option(10, "M: posterior samples (members) at prediction.")
+    delta: float = option(
+        0.1, "δ: initial posterior std softplus(ρ) = δ·max(|w|, init_floor); μ starts at w."
+    )
+    init_floor: float = option(
+        1e-3, "Floor on |w| when setting the initial std, so zero weights get a posterior too."
+    )
+    sampling: str = option(
+        "local_reparam",
+        "Training estimator: 'local_reparam' (sample pre-activations, per-row noise), "
+        "'flipout' (one weight perturbation per batch, per-row random signs) or 'weights' "
+        "(one weight sample per tiled repeat, batched).",
+    )
+    predict_sampling: str = option(
+        "auto",
+        "Prediction: 'weights' (every member is a network with its own weight sample), "
+        "'local_reparam' (per-member pre-activation noise), or 'auto': the model that was "
+        "trained — 'local_reparam' after local_reparam training (for convs it is a different "
+        "model: noise independent over pixels), 'weights' after flipout/weights training.",
+    )
+    kl_weighting: str = option(
+        "uniform",
+        "Minibatch KL weight: 'uniform' (KL/N_train every step) or 'blundell' "
+        "(π_i = 2^(M−i)/(2^M−1) for step i of M per epoch).",
+    )
+    bias: bool = option(True, "Also put a posterior on the biases of wrapped layers.")
+    rho_lr_scale: float = option(
+        1.0, "Learning-rate multiplier of the ρ (std) parameters relative to μ. With Adam a step "
+        "changes σ by about lr·scale relatively, so σ needs a larger step than μ to move "
+        "within a short fine-tuning run."
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        require(isinstance(self.samples, int) and self.samples > 0,
+                f"samples must be a positive integer, got {self.samples!r}")
+        require(isinstance(self.predict_samples, int) and self.predict_samples > 0,
+                f"predict_samples must be a positive integer, got {self.predict_samples!r}")
+        require(self.delta > 0, f"delta must be > 0 (use a tiny value for a near-point mass), "
+                                f"got {self.delta}")
+        require(self.init_floor > 0, f"init_floor must be > 0, got {self.init_floor}")
+        require(self.sampling in SAMPLING_MODES,
+                f"sampling must be one of {SAMPLING_MODES}, got {self.sampling!r}")
+        require(self.predict_sampling in PREDICT_SAMPLING_MODES,
+                f"predict_sampling must be one of {PREDICT_SAMPLING_MODES}, "
+                f"got {self.predict_sampling!r}")
+        require(self.rho_lr_scale > 0, f"rho_lr_scale must be > 0, got {self.rho_lr_scale}")
+        require(self.kl_weighting in KL_WEIGHTINGS,
+                f"kl_weighting must be one of {KL_WEIGHTINGS}, got {self.kl_weighting!r}")

@@ -1,0 +1,118 @@
+"""Mean-field family: registry entry, minibatch KL weighting, training layout."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from bayesify.core.method import Method
+from bayesify.errors import BayesifyError
+from bayesify.methods.meanfield.config import MeanFieldConfig
+from bayesify.methods.meanfield.export import export_weight_members
+from bayesify.methods.meanfield.functional import member_training_forward
+from bayesify.methods.meanfield.layers import MeanFieldLayer
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
+
+_LN2 = math.log(2.0)
+
+
+def blundell_log_weight(step: int, steps_per_epoch: int) -> float:
+    """``log π_i`` with ``π_i = 2^(M−i) / (2^M − 1)`` for minibatch i = step + 1 of M.
+
+    Computed in log space: ``log π_i = −i·ln2 − log(1 − 2^−M)``, finite for any M
+    (the naive ratio overflows for M ≳ 1024). Σ_i π_i = 1 over an epoch.
+    """
+    if steps_per_epoch <= 0:
+        raise BayesifyError(f"steps_per_epoch must be positive, got {steps_per_epoch}")
+    i = min(max(int(step), 0), steps_per_epoch - 1) + 1
+    return -i * _LN2 - math.log1p(-math.exp(-steps_per_epoch * _LN2))
+
+
+def minibatch_kl_weight(step: int, steps_per_epoch: int, weighting: str = "uniform") -> float:
+    """Multiplier of ``KL/N_train`` at ``step`` (0-based) of an epoch of M minibatches.
+
+    The trainer's loss is ``mean NLL + β·w·KL/N_train`` (the batch-mean form of
+    Blundell's ``π_i KL − log p(D_i|w)`` divided by the batch size B = N/M), so
+    ``w = M·π_i``: 1 for ``uniform``; ``M·2^(M−i)/(2^M−1)`` for ``blundell``
+    (large early in the epoch, → 0 late; averages to 1 over an epoch).
+    Unknown epoch length (``steps_per_epoch <= 0``) falls back to uniform.
+    """
+    if weighting == "uniform" or steps_per_epoch <= 0:
+        return 1.0
+    if weighting == "blundell":
+        return math.exp(math.log(steps_per_epoch) + blundell_log_weight(step, steps_per_epoch))
+    raise BayesifyError(f"unknown KL weighting {weighting!r}; use 'uniform' or 'blundell'")
+
+
+class MeanFieldMethod(Method):
+    """Bayes by Backprop around every target Linear/Conv (Blundell et al. 2015).
+
+    Training: ``samples`` repeats per example; local reparameterisation / flipout
+    draw per-row noise, ``sampling='weights'`` gives every repeat its own weight
+    sample. Prediction: ``predict_samples`` members, each a network with its own
+    weight sample (``predict_sampling='weights'``).
+    """
+
+    name = "meanfield"
+    config_cls = MeanFieldConfig
+    wrappers: ClassVar = {
+        nn.Linear: MeanFieldLayer,
+        nn.Conv1d: MeanFieldLayer,
+        nn.Conv2d: MeanFieldLayer,
+        nn.Conv3d: MeanFieldLayer,
+    }
+
+    def training_forward(
+        self, bnn: "BayesianModel", x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.config.sampling == "weights":
+            return member_training_forward(bnn, x, y, self.config.samples)
+        return super().training_forward(bnn, x, y)
+
+    def kl_weight(self, step: int, steps_per_epoch: int) -> float:
+        """Minibatch KL multiplier (see :func:`minibatch_kl_weight`); the trainer calls it."""
+        return minibatch_kl_weight(step, steps_per_epoch, self.config.kl_weighting)
+
+    def param_groups(self, bnn: "BayesianModel", *, lr: float, weight_decay: float) -> list[dict[str, Any]]:
+        """Two posterior groups: μ at ``lr``, ρ at ``lr · rho_lr_scale`` (no weight decay on ρ)."""
+        mu, rho = [], []
+        for name, p in bnn.named_posterior_parameters():
+            if p.requires_grad:
+                (rho if name.endswith("_rho") else mu).append(p)
+        groups = [{"params": mu, "lr": lr, "weight_decay": weight_decay, "name": "posterior"}]
+        if rho:
+            groups.append({"params": rho, "lr": lr * self.config.rho_lr_scale, "weight_decay": 0.0,
+                           "name": "posterior_rho"})
+        return groups
+
+    def export_module(
+        self, bnn: "BayesianModel", *, samples_per_component: int, seed: int, example_input: torch.Tensor
+    ) -> nn.Module:
+        """Weight-sample members → M plain networks; local-reparam members → frozen noise tables."""
+        layers = list(bnn.bayesian_layers().values())
+        if all(layer.predict_sampling == "local_reparam" for layer in layers):
+            return super().export_module(bnn, samples_per_component=samples_per_component,
+                                         seed=seed, example_input=example_input)
+        return export_weight_members(bnn, samples_per_component=samples_per_component, seed=seed,
+                                     example_input=example_input)
+
+    def default_lr(self) -> float:
+        # μ moves like fine-tuned weights: an SGD fine-tuning step size
+        return 0.01
+
+    @classmethod
+    def demo_recipe(cls) -> dict[str, Any]:
+        return {
+            # N_train ≈ 630: the KL (≈ 1 nat per weight) dominates the ELBO, so the
+            # posterior stays near the prior; a narrow prior around the pretrained
+            # weights keeps it useful. Members are full weight samples of q.
+            "options": {"prior": "pretrained", "prior_std": 0.03, "delta": 0.1, "rho_lr_scale": 10.0,
+                        "predict_sampling": "weights"},
+            "fit": {"epochs": 20, "optimizer": "adam", "lr": 1e-3},
+            "predictor": {"samples_per_component": 16},
+        }

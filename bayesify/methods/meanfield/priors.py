@@ -1,0 +1,100 @@
+"""Weight priors of the weight-space families and their densities / KLs.
+
+Three priors, per weight (Blundell et al. 2015, §3.3):
+
+* ``gaussian``:       ``p(w) = N(w; 0, σ²)``
+* ``pretrained``:     ``p(w) = N(w; w₀, σ²)``, centred on the pretrained weight w₀
+* ``scale_mixture``:  ``p(w) = π N(w; 0, σ₁²) + (1 − π) N(w; 0, σ₂²)``
+
+The two Gaussian priors have a closed-form ``KL(q‖p)`` against a Gaussian q;
+the mixture has none, so its KL is estimated by one Monte-Carlo sample
+``log q(w) − log p(w)``, ``w ~ q``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+PRIORS = ("gaussian", "pretrained", "scale_mixture")
+
+
+def inverse_softplus(value: torch.Tensor) -> torch.Tensor:
+    """ρ with ``softplus(ρ) = value`` (value > 0; tiny values are floored at 1e-30)."""
+    value = value.clamp_min(1e-30)
+    # log(expm1(v)) written so that it neither overflows for large v nor loses small v
+    return value + torch.log(-torch.expm1(-value))
+
+
+def gaussian_log_prob(w: torch.Tensor, mean: torch.Tensor | float, std: torch.Tensor | float) -> torch.Tensor:
+    """Elementwise ``log N(w; mean, std²)``."""
+    std_t = torch.as_tensor(std, dtype=w.dtype, device=w.device)
+    return -0.5 * ((w - mean) / std_t) ** 2 - torch.log(std_t) - _LOG_SQRT_2PI
+
+
+def gaussian_kl(
+    mu_q: torch.Tensor, std_q: torch.Tensor, mu_p: torch.Tensor | float, std_p: float
+) -> torch.Tensor:
+    """Elementwise ``KL(N(μq, σq²) ‖ N(μp, σp²)) = log σp/σq + (σq² + (μq−μp)²)/(2σp²) − ½``."""
+    var_p = std_p**2
+    return (math.log(std_p) - torch.log(std_q)
+            + (std_q**2 + (mu_q - mu_p) ** 2) / (2.0 * var_p) - 0.5)
+
+
+def scale_mixture_log_prob(w: torch.Tensor, pi: float, std1: float, std2: float) -> torch.Tensor:
+    """Elementwise ``log(π N(w; 0, σ₁²) + (1−π) N(w; 0, σ₂²))`` via logsumexp (stable)."""
+    parts = []
+    if pi > 0:
+        parts.append(math.log(pi) + gaussian_log_prob(w, 0.0, std1))
+    if pi < 1:
+        parts.append(math.log1p(-pi) + gaussian_log_prob(w, 0.0, std2))
+    return torch.logsumexp(torch.stack(parts), dim=0)
+
+
+@dataclass(frozen=True)
+class WeightPrior:
+    """One of :data:`PRIORS` with its hyper-parameters."""
+
+    kind: str = "gaussian"
+    std: float = 1.0
+    pi: float = 0.5
+    std1: float = 1.0
+    std2: float = math.exp(-6)
+
+    @classmethod
+    def from_config(cls, config) -> "WeightPrior":
+        return cls(kind=config.prior, std=config.prior_std, pi=config.mixture_pi,
+                   std1=config.mixture_std1, std2=config.mixture_std2)
+
+    @property
+    def analytic(self) -> bool:
+        return self.kind in ("gaussian", "pretrained")
+
+    def centre(self, pretrained: torch.Tensor) -> torch.Tensor | float:
+        return pretrained if self.kind == "pretrained" else 0.0
+
+    def log_prob(self, w: torch.Tensor, pretrained: torch.Tensor) -> torch.Tensor:
+        """Elementwise ``log p(w)``; ``pretrained`` is w₀ (same shape as ``w`` or broadcastable)."""
+        if self.kind == "scale_mixture":
+            return scale_mixture_log_prob(w, self.pi, self.std1, self.std2)
+        return gaussian_log_prob(w, self.centre(pretrained), self.std)
+
+    def kl(self, mu: torch.Tensor, std: torch.Tensor, pretrained: torch.Tensor) -> torch.Tensor:
+        """``KL(N(μ, σ²) ‖ p)`` summed over all weights (analytic, or 1-sample MC)."""
+        if self.analytic:
+            return gaussian_kl(mu, std, self.centre(pretrained), self.std).sum()
+        w = mu + std * torch.randn_like(mu)
+        return (gaussian_log_prob(w, mu, std) - self.log_prob(w, pretrained)).sum()
+
+    def sample(self, m: int, pretrained: torch.Tensor) -> torch.Tensor:
+        """``[m, *pretrained.shape]`` fresh samples from the prior."""
+        shape = (m, *pretrained.shape)
+        eps = torch.randn(shape, device=pretrained.device, dtype=pretrained.dtype)
+        if self.kind == "scale_mixture":
+            wide = torch.rand(shape, device=pretrained.device) < self.pi
+            scale = torch.where(wide, self.std1, self.std2).to(pretrained.dtype)
+            return eps * scale
+        return self.centre(pretrained) + self.std * eps

@@ -1,0 +1,41 @@
+"""Configuration of the rank-1 BNN family (defaults from Dusenberry et al. 2020)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bayesify.core.config import MethodConfig, option, require
+from bayesify.methods.rank1.layers import INIT_CHOICES
+
+
+@dataclass(frozen=True)
+class Rank1Config(MethodConfig):
+    components: int = option(4, "K: ensemble members (rank-1 factor pairs r_k, s_k per layer).")
+    predict_samples: int = option(2, "n: samples per member at prediction (M = K·n).")
+    init: str = option(
+        "random_sign",
+        "Initial means of r and s: 'random_sign' (±1, P(+1) = sign_prob), 'normal' "
+        "(N(1, init_mean_std²)) or 'ones' (r = s = 1: the member is the base network).",
+    )
+    sign_prob: float = option(0.5, "P(+1) of the random-sign init (0.5–0.75 in the paper).")
+    init_mean_std: float = option(0.5, "Std of the 'normal' init of the means around 1.")
+    init_std: float = option(0.03, "Initial posterior std softplus(ρ) of r and s.")
+    learn_std: bool = option(True, "Train the posterior stds; False keeps them at init_std.")
+    prior_mean: float = option(1.0, "Mean of the Gaussian prior N(m, s²) on every r and s entry.")
+    prior_std: float = option(0.1, "Std of the prior (0.05 on ImageNet in the paper).")
+    member_bias: bool = option(True, "A bias per member (from the base bias) where the layer has one.")
+    per_member_bn: bool = option(
+        False, "One BatchNorm (statistics + γ, β) per member, initialised from the pretrained "
+        "BN; False shares the frozen pretrained BN."
+    )
+
+    def validate(self) -> None:
+        require(isinstance(self.components, int) and self.components > 0,
+                f"components must be a positive integer, got {self.components!r}")
+        require(isinstance(self.predict_samples, int) and self.predict_samples > 0,
+                f"predict_samples must be a positive integer, got {self.predict_samples!r}")
+        require(self.init in INIT_CHOICES, f"init must be one of {INIT_CHOICES}, got {self.init!r}")
+        require(0.0 <= self.sign_prob <= 1.0, f"sign_prob must be in [0, 1], got {self.sign_prob}")
+        require(self.init_mean_std >= 0, f"init_mean_std must be >= 0, got {self.init_mean_std}")
+        require(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
+        require(self.prior_std > 0, f"prior_std must be > 0, got {self.prior_std}")

@@ -1,0 +1,172 @@
+"""Rank-1 multiplicative layers shared by rank1 (Bayesian) and batchensemble (deterministic).
+
+Member k of a wrapped Linear/Conv uses the weight ``W_k = W ∘ (s_k r_kᵀ)``, computed
+without materialising it (Wen et al. 2020, eq. 2):
+
+    out = ((x ∘ r_k) W) ∘ s_k + b_k
+
+``r [K, C_in]`` scales input channels (shared over pixels / tokens), ``s [K, C_out]``
+output channels, ``b_k`` is a per-member bias (or the shared base bias). The rank-1
+BNN (Dusenberry et al. 2020) puts Gaussians ``N(μ, softplus(ρ)²)`` on r and s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bayesify.core.context import SamplingContext
+from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
+from bayesify.errors import BayesifyError
+
+INIT_CHOICES = ("random_sign", "normal", "ones")
+
+
+def inverse_softplus(value: torch.Tensor) -> torch.Tensor:
+    """ρ with softplus(ρ) = value (value > 0)."""
+    value = value.clamp_min(1e-8)
+    return value + torch.log(-torch.expm1(-value))
+
+
+def gaussian_kl(mu_q: torch.Tensor, var_q: torch.Tensor, mu_p: float, std_p: float) -> torch.Tensor:
+    """KL(N(μq, σq²) ‖ N(μp, σp²)) elementwise."""
+    var_p = std_p**2
+    return 0.5 * (math.log(var_p) - torch.log(var_q) + (var_q + (mu_q - mu_p) ** 2) / var_p - 1.0)
+
+
+def init_factor(shape: tuple[int, int], *, init: str, sign_prob: float, std: float,
+                device: torch.device | None) -> torch.Tensor:
+    """Initial fast weights ``[K, C]``: random signs ±1 (P(+1) = ``sign_prob``),
+    ``N(1, std²)`` or exact ones (identity)."""
+    if init == "ones":
+        return torch.ones(shape, device=device)
+    if init == "normal":
+        return 1.0 + std * torch.randn(shape, device=device)
+    if init == "random_sign":
+        plus = torch.rand(shape, device=device) < sign_prob
+        return torch.where(plus, 1.0, -1.0)
+    raise BayesifyError(f"unknown init {init!r}; use one of {INIT_CHOICES}")
+
+
+def out_channels(module: nn.Module) -> int:
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return module.out_channels
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    raise TypeError(f"no output-channel count for {type(module).__name__}")
+
+
+def forward_without_bias(module: nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W`` of a Linear / Conv (its padding mode, stride, groups) with no bias added."""
+    weight = module.weight if weight is None else weight
+    if isinstance(module, nn.Linear):
+        return F.linear(x, weight)
+    # _conv_forward applies padding_mode, stride, dilation and groups of the module
+    return module._conv_forward(x, weight, None)
+
+
+class RankOneLayer(BayesianLayer):
+    """``out = ((x ∘ r_k) W) ∘ s_k + b_k`` for the member k of every row.
+
+    Parameters: ``r [K, C_in]``, ``s [K, C_out]`` (posterior means when
+    ``stochastic``), ``r_rho [K, C_in]``, ``s_rho [K, C_out]`` (std = softplus(ρ)),
+    ``member_bias [K, C_out]`` (initialised from the base bias) when requested and
+    the base layer has a bias. With r = s = 1 and b_k = b it is the base layer.
+    """
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        *,
+        context: SamplingContext,
+        components: int,
+        init: str,
+        sign_prob: float = 0.5,
+        init_mean_std: float = 0.5,
+        member_bias: bool = True,
+        stochastic: bool = False,
+        init_std: float = 0.03,
+        learn_std: bool = True,
+        prior_mean: float = 1.0,
+        prior_std: float = 0.1,
+    ) -> None:
+        super().__init__(base_layer, context)
+        if isinstance(base_layer, nn.modules.conv._ConvTransposeNd):
+            raise TypeError("rank-1 layers wrap Linear and Conv1d/2d/3d, not ConvTranspose")
+        k, c_in, c_out = components, in_channels(base_layer), out_channels(base_layer)
+        self.axis = channel_axis(base_layer)
+        self.stochastic = stochastic
+        self.prior_mean, self.prior_std = prior_mean, prior_std
+        device = base_layer.weight.device
+        opts = {"init": init, "sign_prob": sign_prob, "std": init_mean_std, "device": device}
+        self.r = nn.Parameter(init_factor((k, c_in), **opts))
+        self.s = nn.Parameter(init_factor((k, c_out), **opts))
+        if stochastic:
+            rho0 = inverse_softplus(torch.tensor(float(init_std)))
+            self.r_rho = nn.Parameter(torch.full((k, c_in), rho0.item(), device=device),
+                                      requires_grad=learn_std)
+            self.s_rho = nn.Parameter(torch.full((k, c_out), rho0.item(), device=device),
+                                      requires_grad=learn_std)
+        bias = base_layer.bias
+        self.member_bias = (
+            nn.Parameter(bias.detach().float().expand(k, c_out).clone())
+            if member_bias and bias is not None else None
+        )
+
+    def num_nodes(self) -> int:
+        return self.r.shape[1] + self.s.shape[1]
+
+    def factors(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-row ``r [R, C_in]``, ``s [R, C_out]`` and the component ``[R]`` of each row.
+
+        Stochastic layers draw ``μ + softplus(ρ) ε`` (one ε per row in training, per
+        member at prediction); deterministic mode / batchensemble use the means.
+        """
+        comp = self.context.components_for(rows, device)
+        r, s = self.r.index_select(0, comp), self.s.index_select(0, comp)
+        if self.stochastic and not self.context.deterministic:
+            c_in = r.shape[1]
+            # one draw for both factors: the per-member stream is seeded per layer id
+            eps = self.context.draw(self.layer_id, rows, (c_in + s.shape[1],), device)
+            r = r + F.softplus(self.r_rho).index_select(0, comp) * eps[:, :c_in]
+            s = s + F.softplus(self.s_rho).index_select(0, comp) * eps[:, c_in:]
+        return r, s, comp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r, s, comp = self.factors(x.shape[0], x.device)
+        h = forward_without_bias(self.base_layer, x * broadcast_rows(r, x, self.axis).to(x.dtype))
+        s = broadcast_rows(s, h, self.axis).to(h.dtype)
+        if self.member_bias is not None:
+            bias = broadcast_rows(self.member_bias.index_select(0, comp), h, self.axis).to(h.dtype)
+            return torch.addcmul(bias, h, s)
+        base_bias = self.base_layer.bias
+        if base_bias is None:
+            return h * s
+        shape = [1] * h.dim()
+        shape[self.axis] = base_bias.shape[0]
+        return torch.addcmul(base_bias.view(shape).to(h.dtype), h, s)
+
+    def kl(self) -> torch.Tensor:
+        """Σ over members and channels of KL(N(μ, σ²) ‖ N(prior_mean, prior_std²)) for r and s."""
+        if not self.stochastic:
+            return torch.zeros((), device=self.r.device)
+        total = torch.zeros((), device=self.r.device)
+        for mean, rho in ((self.r, self.r_rho), (self.s, self.s_rho)):
+            var = F.softplus(rho.float()).pow(2)
+            total = total + gaussian_kl(mean.float(), var, self.prior_mean, self.prior_std).sum()
+        return total
+
+    def fast_weights(self) -> list[nn.Parameter]:
+        """The rank-1 factors (means and stds), as opposed to the biases."""
+        out = [self.r, self.s]
+        if self.stochastic:
+            out += [self.r_rho, self.s_rho]
+        return out
+
+    def extra_repr(self) -> str:
+        k, c_in = self.r.shape
+        return (f"members={k}, in={c_in}, out={self.s.shape[1]}, stochastic={self.stochastic}, "
+                f"member_bias={self.member_bias is not None}")

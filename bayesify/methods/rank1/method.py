@@ -1,0 +1,55 @@
+"""rank1 family: rank-1 BNN with Gaussian posteriors on the factors (Dusenberry et al. 2020)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from torch import nn
+
+from bayesify.core.context import SamplingContext
+from bayesify.methods.rank1.config import Rank1Config
+from bayesify.methods.rank1.layers import RankOneLayer
+from bayesify.methods.rank1.tiled import TiledMethod
+
+
+class Rank1Layer(RankOneLayer):
+    """Rank-1 BNN layer: ``r_k ~ N(μ_r,k, σ_r,k²)``, ``s_k ~ N(μ_s,k, σ_s,k²)``, prior N(1, s²)."""
+
+    def __init__(self, base_layer: nn.Module, *, context: SamplingContext, config: Rank1Config) -> None:
+        super().__init__(
+            base_layer, context=context, components=config.components, init=config.init,
+            sign_prob=config.sign_prob, init_mean_std=config.init_mean_std,
+            member_bias=config.member_bias, stochastic=True, init_std=config.init_std,
+            learn_std=config.learn_std, prior_mean=config.prior_mean, prior_std=config.prior_std,
+        )
+
+
+class Rank1Method(TiledMethod):
+    """K members, each the base net with rank-1 Gaussian multiplicative factors.
+
+    Loss: mean NLL over the K-tiled batch + β·Σ_k KL_k / N_train (the trainer
+    divides by N_train and anneals β). Prediction: K members × n samples.
+    """
+
+    name = "rank1"
+    config_cls = Rank1Config
+    wrappers: ClassVar = {
+        nn.Linear: Rank1Layer,
+        nn.Conv1d: Rank1Layer,
+        nn.Conv2d: Rank1Layer,
+        nn.Conv3d: Rank1Layer,
+    }
+
+    def default_lr(self) -> float:
+        # each member's factors get 1/K of the mean loss's gradient: scale the step by K
+        return 0.05 * self.components
+
+    @classmethod
+    def demo_recipe(cls) -> dict[str, Any]:
+        return {
+            # random signs would erase the pretrained function: means start at N(1, 0.25²)
+            "options": {"components": 4, "init": "normal", "init_mean_std": 0.25,
+                        "prior_std": 0.1, "init_std": 0.03},
+            "fit": {"epochs": 15, "kl_anneal_epochs": 5},
+            "predictor": {"samples_per_component": 2},
+        }

@@ -1,0 +1,92 @@
+"""BatchNorm statistics of a sampled network (SWA's ``update_bn`` for functional calls).
+
+After a network θ_s is drawn, its BatchNorm running statistics are recomputed with a
+pass over (a fraction of) the training data in train mode with cumulative-average
+momentum (``momentum=None``): ``running_mean = mean over batches of the batch means``,
+exactly what ``torch.optim.swa_utils.update_bn`` does, but on fresh buffers passed to
+``torch.func.functional_call`` so the model's own statistics stay untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from bayesify.methods.swag.posterior import all_reduce_mean_
+
+_BN = nn.modules.batchnorm._BatchNorm
+
+
+def batchnorm_modules(model: nn.Module) -> dict[str, _BN]:
+    """BatchNorm layers that track running statistics, by qualified name."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, _BN) and m.track_running_stats and m.running_mean is not None}
+
+
+def batchnorm_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the running statistics of every BatchNorm layer (functional_call keys)."""
+    out = {}
+    for name, m in batchnorm_modules(model).items():
+        out[f"{name}.running_mean"] = m.running_mean.detach().clone()
+        out[f"{name}.running_var"] = m.running_var.detach().clone()
+        out[f"{name}.num_batches_tracked"] = m.num_batches_tracked.detach().clone()
+    return out
+
+
+def limited_inputs(loader: Iterable, device: torch.device, fraction: float) -> Iterator[torch.Tensor]:
+    """Inputs of the first ``ceil(fraction · len(loader))`` batches (all when len is unknown)."""
+    try:
+        limit = max(1, math.ceil(fraction * len(loader)))  # type: ignore[arg-type]
+    except TypeError:
+        limit = None
+    for i, batch in enumerate(loader):
+        if limit is not None and i >= limit:
+            break
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        yield x.to(device)
+
+
+@torch.no_grad()
+def recompute_batchnorm(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    loader: Iterable,
+    *,
+    fraction: float,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Running statistics of every BatchNorm layer of ``model`` evaluated at ``params``.
+
+    Returns ``{"<bn>.running_mean": [C], "<bn>.running_var": [C], "<bn>.num_batches_tracked"}``
+    (cumulative averages over the batches; averaged over DDP ranks).
+    """
+    bns = batchnorm_modules(model)
+    if not bns or fraction <= 0:
+        return {}
+    state = {}
+    for name, m in bns.items():
+        state[f"{name}.running_mean"] = torch.zeros_like(m.running_mean)
+        state[f"{name}.running_var"] = torch.ones_like(m.running_var)
+        state[f"{name}.num_batches_tracked"] = torch.zeros_like(m.num_batches_tracked)
+    momenta = {name: m.momentum for name, m in bns.items()}
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()  # dropout etc. off; only BatchNorm runs in train mode
+    try:
+        for m in bns.values():
+            m.momentum = None
+            m.train()
+        for x in limited_inputs(loader, device, fraction):
+            functional_call(model, {**params, **state}, (x,))
+    finally:
+        for name, m in bns.items():
+            m.momentum = momenta[name]
+        for m, training in modes:
+            m.training = training
+    for value in state.values():
+        if value.is_floating_point():
+            all_reduce_mean_(value)
+    return state

@@ -1,0 +1,75 @@
+"""Configuration of the SWAG family (defaults from Maddox et al. 2019 and its code)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bayesify.core.config import MethodConfig, option, require
+
+VARIANTS = ("swa", "diag", "swag")
+
+
+@dataclass(frozen=True)
+class SWAGConfig(MethodConfig):
+    variant: str = option(
+        "swag", "'swa' (the running mean only), 'diag' (SWAG-diagonal) or 'swag' "
+        "(diagonal + low-rank covariance)."
+    )
+    max_rank: int = option(20, "R: number of most recent deviations θ_i − θ̄ kept (low-rank part).")
+    scale: float | None = option(
+        None, "Covariance scale of the samples; None: 0.5 for 'swag', 1.0 for 'diag'."
+    )
+    lr: float = option(0.01, "SGD learning rate of the collection run (fit(lr=...) overrides it).")
+    lr_schedule: str = option(
+        "constant", "'constant', or 'cyclic': linear decay lr → lr_min within every snapshot "
+        "period, snapshot at the end of the period (Izmailov et al.)."
+    )
+    lr_min: float = option(0.0, "Lowest learning rate of the cyclic schedule.")
+    momentum: float = option(0.9, "SGD momentum of the collection run.")
+    weight_decay: float = option(5e-4, "SGD weight decay of the collection run.")
+    snapshot_every: float = option(
+        1.0, "Snapshot period in epochs; fractions of an epoch are allowed (e.g. 0.25)."
+    )
+    snapshot_every_steps: int = option(
+        0, "Snapshot every k SGD steps instead of per epoch fraction (0: use snapshot_every)."
+    )
+    moments_on_cpu: bool = option(
+        False, "Keep mean / mean of squares / deviations on the CPU (big models); the "
+        "network itself may live on the GPU."
+    )
+    bn_update_fraction: float = option(
+        1.0, "Fraction of the training batches used to recompute BatchNorm statistics "
+        "after every sampled network (0 keeps the statistics of the mean network)."
+    )
+    predict_samples: int = option(30, "N: sampled networks at prediction ('swa': always 1).")
+    min_variance: float = option(1e-30, "Floor of the diagonal variance mean(θ²) − mean(θ)².")
+    vectorize: bool = option(
+        True, "Evaluate a chunk of sampled networks with torch.func.vmap (falls back to a "
+        "loop when the model cannot be vmapped)."
+    )
+
+    def validate(self) -> None:
+        require(self.variant in VARIANTS,
+                f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        require(isinstance(self.max_rank, int) and self.max_rank >= 2,
+                f"max_rank must be an integer >= 2, got {self.max_rank!r}")
+        require(self.scale is None or self.scale >= 0, f"scale must be >= 0, got {self.scale}")
+        require(self.lr >= 0, f"lr must be >= 0, got {self.lr}")
+        require(self.lr_schedule in ("constant", "cyclic"),
+                f"lr_schedule must be 'constant' or 'cyclic', got {self.lr_schedule!r}")
+        require(0 <= self.momentum < 1, f"momentum must lie in [0, 1), got {self.momentum}")
+        require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        require(self.snapshot_every > 0, f"snapshot_every must be > 0, got {self.snapshot_every}")
+        require(isinstance(self.snapshot_every_steps, int) and self.snapshot_every_steps >= 0,
+                f"snapshot_every_steps must be an integer >= 0, got {self.snapshot_every_steps!r}")
+        require(0 <= self.bn_update_fraction <= 1,
+                f"bn_update_fraction must lie in [0, 1], got {self.bn_update_fraction}")
+        require(isinstance(self.predict_samples, int) and self.predict_samples > 0,
+                f"predict_samples must be a positive integer, got {self.predict_samples!r}")
+
+    @property
+    def sample_scale(self) -> float:
+        """The covariance scale actually used: 0.5 for 'swag', 1.0 for 'diag' by default."""
+        if self.scale is not None:
+            return float(self.scale)
+        return 0.5 if self.variant == "swag" else 1.0

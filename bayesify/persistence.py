@@ -1,0 +1,214 @@
+"""Save only the posterior; rebuild it on the same base model.
+
+``bnn.save_posterior(dir)`` writes two files:
+
+- ``posterior.safetensors``: every posterior tensor (``named_posterior_parameters``
+  plus the family's ``Method.posterior_state``), keyed by the base model's own
+  module names (``"layer1.0.conv1.mean"``);
+- ``bayesify.json``: method, config, targets, package and format versions, the
+  sha256 of the tensor file and a fingerprint of the base weights (sha256 over
+  name, dtype, shape and bytes of every base ``state_dict`` tensor in name order).
+
+``load_posterior(base_model, dir)`` checks all of that, calls
+``bayesify(base_model, method, config)`` and loads the tensors strictly. Only
+json and safetensors are read: nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from bayesify.errors import BayesifyError
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
+
+FORMAT = "bayesify-posterior"
+FORMAT_VERSION = 1
+TENSOR_FILE = "posterior.safetensors"
+MANIFEST_FILE = "bayesify.json"
+
+
+def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over ``(name, dtype, shape, bytes)`` of every tensor, in sorted name order."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def posterior_tensors(bnn: BayesianModel) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Every tensor ``save_posterior`` writes, and which of them are family state."""
+    tensors = {name: p.detach() for name, p in bnn.named_posterior_parameters()}
+    state = dict(bnn.method.posterior_state(bnn))
+    clash = sorted(set(tensors) & set(state))
+    if clash:
+        raise BayesifyError(f"method {bnn.method_name!r} returns posterior_state keys that "
+                            f"are also parameter names: {clash[:5]}")
+    tensors.update({k: v.detach() for k, v in state.items()})
+    return tensors, sorted(state)
+
+
+def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
+    """Write ``posterior.safetensors`` and ``bayesify.json`` into ``directory``; returns it."""
+    from safetensors.torch import save_file
+
+    from bayesify import __version__
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, state_names = posterior_tensors(bnn)
+    # safetensors refuses views / shared storage: store independent contiguous copies
+    cpu = {k: v.to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+    tensor_path = directory / TENSOR_FILE
+    _atomic_write(tensor_path, lambda p: save_file(cpu, str(p), metadata={"format": FORMAT}))
+    base = bnn.unwrap()
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "bayesify_version": __version__,
+        "torch_version": torch.__version__,
+        "method": bnn.method_name,
+        "config": bnn.config.to_dict(),
+        "targets": list(bnn.targets),
+        "parameters": sorted(set(tensors) - set(state_names)),
+        "state": state_names,
+        "base_model": type(base).__name__,
+        "base_fingerprint": fingerprint(base.state_dict()),
+        "posterior_sha256": _file_sha256(tensor_path),
+    }
+    manifest["checksum"] = _manifest_checksum(manifest)
+    try:
+        text = json.dumps(manifest, indent=2)
+    except TypeError as err:
+        raise BayesifyError(f"the {bnn.method_name!r} config holds a value json cannot "
+                            f"store: {err}") from err
+    _atomic_write(directory / MANIFEST_FILE, lambda p: p.write_text(text))
+    return directory
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    """The checked ``bayesify.json`` of a saved posterior (format, version, checksum)."""
+    path = Path(directory) / MANIFEST_FILE
+    if not path.is_file():
+        raise BayesifyError(f"no {MANIFEST_FILE} in {directory}: not a saved posterior "
+                            "(write one with bnn.save_posterior(dir))")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BayesifyError(f"{path} is not valid JSON ({err}); the file is damaged") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BayesifyError(f"{path} is not a bayesify posterior manifest "
+                            f"(format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version < 1:
+        raise BayesifyError(f"{path} has an invalid format_version {version!r}")
+    if version > FORMAT_VERSION:
+        raise BayesifyError(
+            f"{path} has format version {version}, newer than this bayesify supports "
+            f"({FORMAT_VERSION}; it was written by bayesify "
+            f"{manifest.get('bayesify_version')}); upgrade bayesify to load it"
+        )
+    if manifest.get("checksum") != _manifest_checksum(manifest):
+        raise BayesifyError(f"{path} was modified after it was written (checksum mismatch); "
+                            "re-save the posterior instead of editing the manifest")
+    return manifest
+
+
+def load_posterior(base_model: nn.Module, directory: str | os.PathLike) -> BayesianModel:
+    """Rebuild the saved posterior around ``base_model`` (copied) and load it strictly.
+
+    Raises :class:`BayesifyError` when the base weights differ from those the
+    posterior was fitted on, when the tensor file was altered, or when tensors
+    are missing, extra or of the wrong shape / dtype.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from bayesify.core.factory import bayesify
+    from bayesify.core.registry import get_method_class
+
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    tensor_path = directory / TENSOR_FILE
+    if not tensor_path.is_file():
+        raise BayesifyError(f"{tensor_path} is missing; the saved posterior is incomplete")
+    if _file_sha256(tensor_path) != manifest["posterior_sha256"]:
+        raise BayesifyError(f"{tensor_path} does not match the sha256 recorded in "
+                            f"{MANIFEST_FILE}: the tensor file was modified or replaced")
+    base_print = fingerprint(base_model.state_dict())
+    if base_print != manifest["base_fingerprint"]:
+        raise BayesifyError(
+            f"the base model ({type(base_model).__name__}, weights sha256 {base_print[:12]}…) "
+            f"is not the one this posterior was fitted on ({manifest.get('base_model')}, "
+            f"{manifest['base_fingerprint'][:12]}…); pass the same architecture with the same "
+            "weights (and save the base model too if its weights were fine-tuned)"
+        )
+    method = manifest["method"]
+    config = get_method_class(method).config_cls.from_kwargs(method, dict(manifest["config"]))
+    bnn = bayesify(base_model, method, config=config)
+    if list(bnn.targets) != list(manifest["targets"]):
+        raise BayesifyError(f"re-bayesifying wrapped {bnn.targets[:5]}… but the posterior was "
+                            f"saved for {manifest['targets'][:5]}…")
+    try:
+        tensors = load_file(str(tensor_path))
+    except (SafetensorError, OSError) as err:
+        raise BayesifyError(f"cannot read {tensor_path}: {err}") from err
+    state_names = set(manifest["state"])
+    _load_parameters(bnn, {k: v for k, v in tensors.items() if k not in state_names})
+    missing_state = sorted(state_names - set(tensors))
+    if missing_state:
+        raise BayesifyError(f"{tensor_path} lacks posterior state {missing_state[:5]}")
+    bnn.method.load_posterior_state(bnn, {k: tensors[k] for k in sorted(state_names)})
+    bnn.eval()
+    return bnn
+
+
+def _load_parameters(bnn: BayesianModel, tensors: dict[str, torch.Tensor]) -> None:
+    params = dict(bnn.named_posterior_parameters())
+    missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    if missing or extra:
+        raise BayesifyError(
+            f"posterior tensors do not match method {bnn.method_name!r}: missing {missing[:5]}"
+            f"{'…' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
+            f"{'…' if len(extra) > 5 else ''}"
+        )
+    for name, param in params.items():
+        value = tensors[name]
+        if value.shape != param.shape or value.dtype != param.dtype:
+            raise BayesifyError(
+                f"posterior tensor {name!r} is {value.dtype}{list(value.shape)} in the file "
+                f"but the model expects {param.dtype}{list(param.shape)}"
+            )
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(tensors[name])

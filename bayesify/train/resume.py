@@ -1,0 +1,166 @@
+"""Saving and restoring the full training state (see :mod:`bayesify.train.checkpoint`).
+
+What is saved: posterior tensors, trainable base tensors, the model's buffers,
+the optimiser (momentum etc.), epoch / batch-in-epoch / optimiser step, the
+running sums of a partial epoch, the history, and the RNG streams of *every*
+rank (gathered to rank 0: global CPU, global CUDA, this rank's noise stream).
+LR and β schedules are pure functions of progress, so the epoch and step are
+their whole state. Together with a data order that is a function of
+``(seed, epoch)`` this makes a resumed run reproduce the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bayesify.errors import BayesifyError
+from bayesify.train.checkpoint import (
+    FORMAT,
+    VERSION,
+    atomic_save,
+    check_compatible,
+    checkpoint_name,
+    identity,
+    load_checkpoint,
+    prune,
+    resolve_resume,
+    rng_state,
+    set_rng_state,
+)
+from bayesify.train.distributed import DistContext, broadcast_object, gather_objects
+
+if TYPE_CHECKING:
+    from bayesify.train.loop import TrainState
+
+__all__ = ["Run", "identity", "read_for_resume", "restore", "save"]
+
+
+@dataclass
+class Run:
+    """Checkpoint settings and what a checkpoint must match to be resumed."""
+
+    directory: Path | None
+    keep: int = 2
+    every: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+    identity: dict[str, Any] = field(default_factory=dict)
+
+    def every_steps(self, state: TrainState) -> bool:
+        return self.every > 0 and state.global_step % self.every == 0
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def save(state: TrainState, run: Run) -> str:
+    """Write a checkpoint of ``state`` (collective: every rank must call it)."""
+    assert run.directory is not None
+    ctx = state.ctx
+    assert state.noise_generator is not None
+    rng = gather_objects(rng_state(state.noise_generator, ctx.device), ctx)
+    error: str | None = None
+    cause: BaseException | None = None
+    path = run.directory / checkpoint_name(state.epoch, state.global_step)
+    if ctx.is_main:
+        try:
+            bnn = state.bnn
+            meta = {
+                "identity": run.identity, "options": run.options, "epoch": state.epoch,
+                "step": state.step, "global_step": state.global_step,
+                "world_size": ctx.world_size, "epochs": state.epochs,
+                "history": state.history, "totals": state.totals,
+            }
+            payload = {
+                "format": FORMAT, "version": VERSION,
+                "meta": json.dumps(meta, default=float),
+                "posterior": {n: _cpu(p) for n, p in bnn.named_posterior_parameters()},
+                "base": {n: _cpu(p) for n, p in bnn.named_base_parameters() if p.requires_grad},
+                "buffers": {n: _cpu(b) for n, b in bnn.model.named_buffers()},
+                "optimizer": state.optimizer.state_dict(),
+                "rng": rng,
+            }
+            atomic_save(payload, path)
+            prune(run.directory, run.keep)
+        except Exception as err:  # noqa: BLE001 - reported on every rank below, never half-written
+            error, cause = f"{type(err).__name__}: {err}", err
+    error = broadcast_object(error, ctx)
+    if error is not None:
+        raise BayesifyError(
+            f"writing checkpoint {str(path)!r} failed ({error}); earlier checkpoints in "
+            f"{str(run.directory)!r} are untouched"
+        ) from cause
+    return str(path)
+
+
+def read_for_resume(resume: str | Path, ctx: DistContext) -> dict[str, Any]:
+    """Rank 0 reads and checks the file; every rank gets the payload (or the error)."""
+    box: dict[str, Any]
+    if ctx.is_main:
+        try:
+            path = resolve_resume(resume)
+            box = load_checkpoint(path)
+            box["path"] = str(path)
+        except BayesifyError as err:
+            box = {"error": str(err)}
+    else:
+        box = {}
+    box = broadcast_object(box, ctx)
+    if "error" in box:
+        raise BayesifyError(box["error"])
+    return box
+
+
+def _load_named(target: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], what: str,
+                path: str) -> None:
+    if set(target) != set(saved):
+        missing, extra = sorted(set(target) - set(saved)), sorted(set(saved) - set(target))
+        raise BayesifyError(
+            f"checkpoint {path!r}: {what} tensors do not match (missing {missing[:5]}, "
+            f"unexpected {extra[:5]})"
+        )
+    with torch.no_grad():
+        for name, tensor in target.items():
+            value = saved[name]
+            if value.shape != tensor.shape:
+                raise BayesifyError(
+                    f"checkpoint {path!r}: {what} tensor {name!r} has shape "
+                    f"{tuple(value.shape)}, the model has {tuple(tensor.shape)}"
+                )
+            tensor.copy_(value.to(tensor.device, tensor.dtype))
+
+
+def restore(state: TrainState, payload: dict[str, Any], run: Run, *, path: str) -> None:
+    """Load ``payload`` into the model, optimiser, RNG streams and ``state``."""
+    meta = payload["meta"]
+    check_compatible(meta, run.identity, run.options, path)
+    bnn = state.bnn
+    _load_named(dict(bnn.named_posterior_parameters()), payload["posterior"], "posterior", path)
+    trainable = {n: p for n, p in bnn.named_base_parameters() if p.requires_grad}
+    _load_named(trainable, payload["base"], "trainable base", path)
+    _load_named(dict(bnn.model.named_buffers()), payload["buffers"], "buffer", path)
+    try:
+        state.optimizer.load_state_dict(payload["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise BayesifyError(f"checkpoint {path!r}: optimiser state does not fit ({err})") from err
+    ctx = state.ctx
+    if meta.get("world_size") != ctx.world_size:
+        warnings.warn(
+            f"resuming a {meta.get('world_size')}-process checkpoint with {ctx.world_size} "
+            "processes: the data order is kept (same global batch) but noise streams of "
+            "ranks without a saved state are freshly seeded", stacklevel=3,
+        )
+    states = payload.get("rng") or []
+    if ctx.rank < len(states) and state.noise_generator is not None:
+        set_rng_state(states[ctx.rank], state.noise_generator, ctx.device)
+    state.epoch = int(meta["epoch"])
+    state.step = int(meta["step"])
+    state.global_step = int(meta["global_step"])
+    state.history[:] = list(meta.get("history", []))
+    state.totals = dict(meta.get("totals") or {})

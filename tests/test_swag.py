@@ -1,0 +1,151 @@
+"""SWAG: moments vs a naive reference from stored snapshots, sampling, BatchNorm, prediction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.swa_utils import update_bn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bayesify import BayesifyError, bayesify, fit
+from bayesify.methods.swag import posterior as swag_posterior
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def convnet() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def data(shape: tuple[int, ...], n: int = 40, dtype=torch.float64, batch: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn((n, *shape), generator=g, dtype=dtype)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch)
+
+
+def test_moments_match_naive_reference_from_snapshots():
+    loader = data((4,))
+    bnn = bayesify(mlp(), "swag", max_rank=4, snapshot_every_steps=2, lr=0.05)
+    snaps: list[torch.Tensor] = []
+    fit(bnn, loader, epochs=3, progress=False,
+        snapshot_callback=lambda t, values: snaps.append(torch.cat([v.reshape(-1) for v in values.values()])))
+    layers = bnn.method._layers(bnn)
+    theta = torch.stack(snaps)  # [T, P]
+    t = theta.shape[0]
+    assert t == 7 and swag_posterior.snapshots(layers) == t  # 15 steps, one snapshot every 2
+    mean, sq, dev = swag_posterior.flat_moments(layers)
+    torch.testing.assert_close(mean, theta.mean(0), atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(sq, theta.square().mean(0), atol=1e-12, rtol=1e-10)
+    # deviations of the last R snapshots from the running mean *after* their update
+    running = torch.cumsum(theta, 0) / torch.arange(1, t + 1, dtype=theta.dtype)[:, None]
+    naive_dev = (theta - running)[-4:]
+    order = [(i % 4) for i in range(t - 4, t)]  # ring buffer rows
+    torch.testing.assert_close(dev[order], naive_dev, atol=1e-12, rtol=1e-10)
+    low_rank = naive_dev.T @ naive_dev / 3
+    torch.testing.assert_close(dev.T @ dev / 3, low_rank, atol=1e-12, rtol=1e-10)
+    # the base weights now hold θ̄ (the SWA network)
+    torch.testing.assert_close(torch.cat([p.reshape(-1) for p in bnn.base_parameters()]), theta.mean(0))
+
+
+def test_sample_formula_and_covariance():
+    loader = data((4,))
+    bnn = bayesify(mlp(), "swag", max_rank=5, snapshot_every_steps=1, lr=0.05)
+    fit(bnn, loader, epochs=2, progress=False)
+    layers = bnn.method._layers(bnn)
+    mean, sq, dev = swag_posterior.flat_moments(layers)
+    r = dev.shape[0]
+    assert r == 5
+    var = (sq - mean**2).clamp_min(1e-30)
+    # documented draw order: z2 [R] first, then z1 parameter by parameter
+    g = swag_posterior.member_generator(3, 2)
+    z2 = torch.randn(r, generator=g)
+    z1 = torch.cat([torch.randn(p.shape, generator=g).reshape(-1) for p in bnn.base_parameters()])
+    expected = mean + math.sqrt(0.5) * (var.sqrt() * z1.double() + dev.T @ z2.double() / math.sqrt(r - 1))
+    got = torch.cat([v.reshape(-1) for v in bnn.method.sample(bnn, 2, seed=3).values()])
+    torch.testing.assert_close(got, expected)
+    # empirical covariance of many samples ≈ ½(diag + DᵀD/(R−1))
+    samples = torch.stack([torch.cat([v.reshape(-1) for v in bnn.method.sample(bnn, m, seed=0).values()])
+                           for m in range(3000)])
+    cov = 0.5 * (torch.diag(var) + dev.T @ dev / (r - 1))
+    emp = torch.cov(samples.T)
+    assert (emp - cov).abs().max() < 0.1 * cov.diagonal().max()
+
+
+def test_diag_variant_scale_one_and_swa_single_member():
+    loader = data((4,))
+    diag = bayesify(mlp(), "swag", variant="diag", snapshot_every_steps=1, lr=0.05)
+    fit(diag, loader, epochs=1, progress=False)
+    layers = diag.method._layers(diag)
+    mean, sq, _ = swag_posterior.flat_moments(layers)
+    g = swag_posterior.member_generator(0, 0)
+    z1 = torch.cat([torch.randn(p.shape, generator=g).reshape(-1) for p in diag.base_parameters()])
+    got = torch.cat([v.reshape(-1) for v in diag.method.sample(diag, 0, seed=0).values()])
+    torch.testing.assert_close(got, mean + (sq - mean**2).clamp_min(1e-30).sqrt() * z1.double())
+    swa = bayesify(mlp(), "swag", variant="swa", snapshot_every_steps=1, lr=0.05)
+    fit(swa, loader, epochs=1, progress=False)
+    x = loader.dataset.tensors[0][:5]
+    members = swa.predictor().member_logits(x)
+    assert members.shape == (1, 5, 3)
+    torch.testing.assert_close(members.double(), swa(x).detach()[None])
+
+
+def test_batchnorm_recomputation_restores_original_statistics():
+    loader = data((1, 6, 6))
+    net = convnet().double()
+    update_bn(loader, net)  # the original net's statistics: cumulative average over the data
+    reference = {k: v.clone() for k, v in net.state_dict().items() if "running" in k}
+    net.eval()
+    # lr = 0: every snapshot equals the pretrained weights, so the sample equals the mean
+    bnn = bayesify(net, "swag", lr=0.0, momentum=0.0, weight_decay=0.0, snapshot_every_steps=1)
+    fit(bnn, loader, epochs=1, progress=False)
+    stats = bnn.method.member_batchnorm(bnn, 2, seed=0)
+    for member in stats:
+        for key, value in reference.items():
+            torch.testing.assert_close(member[key], value, atol=1e-6, rtol=1e-5)
+    for key, value in reference.items():  # the mean network installed with its statistics
+        torch.testing.assert_close(bnn.model.get_buffer(key), value, atol=1e-6, rtol=1e-5)
+    x = loader.dataset.tensors[0][:6]
+    members = bnn.predictor(samples_per_component=2).member_logits(x)
+    torch.testing.assert_close(members.double(), net(x).detach().expand(2, -1, -1), atol=1e-5, rtol=1e-5)
+
+
+def test_prediction_is_reproducible_and_chunk_independent():
+    loader = data((1, 6, 6), dtype=torch.float32)
+    bnn = bayesify(convnet(), "swag", snapshot_every_steps=1, lr=0.05, bn_update_fraction=0.5)
+    fit(bnn, loader, epochs=1, progress=False)
+    x = loader.dataset.tensors[0][:8]
+    whole = bnn.predictor(samples_per_component=5, max_rows=4096).member_logits(x)
+    chunked = bnn.predictor(samples_per_component=5, max_rows=8).member_logits(x)  # one member per chunk
+    assert whole.shape == (5, 8, 3)
+    torch.testing.assert_close(whole, chunked, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(whole[0], whole[1])  # different sampled networks
+    other_seed = bnn.predictor(samples_per_component=5, seed=1).member_logits(x)
+    assert not torch.allclose(whole, other_seed)
+
+
+def test_moments_on_cpu_ignore_module_moves():
+    bnn = bayesify(mlp().float(), "swag", moments_on_cpu=True)
+    bnn.to(torch.float64)
+    layer = next(iter(bnn.bayesian_layers().values()))
+    assert layer.base_layer.weight.dtype == torch.float64
+    assert layer.moments.mean("weight").dtype == torch.float32
+
+
+def test_errors_are_explicit():
+    with pytest.raises(BayesifyError, match="variant"):
+        bayesify(mlp(), "swag", variant="multiswag")
+    bnn = bayesify(mlp(), "swag", snapshot_every=5.0)
+    with pytest.raises(BayesifyError, match="no SWAG snapshot"):
+        fit(bnn, data((4,)), epochs=1, progress=False)
+    with pytest.raises(BayesifyError, match="unknown fit option"):
+        fit(bayesify(mlp(), "swag"), data((4,)), progress=False, bogus=1)
