@@ -240,6 +240,9 @@ def _run_fit(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(model, out / BASE_FILE)
     loaders = bundle.loaders(batch_size=args.batch_size, seed=args.seed, workers=args.workers)
+    # recipes name loaders by split ("val_loader": "val")
+    fit_kwargs = {k: loaders.get(v, v) if isinstance(v, str) and k.endswith("_loader") else v
+                  for k, v in fit_kwargs.items()}
     bnn = bayesify(model, args.method, **options)
     gradient = bnn.method.gradient_trained
     extra = ({"base_lr": args.base_lr, "optimizer": args.optimizer, "log_dir": out}
@@ -251,7 +254,8 @@ def _run_fit(args: argparse.Namespace) -> int:
     _write_json(out / RUN_FILE, {
         "data": spec["data"], "model": spec["model"], "image_size": spec["image_size"],
         "pretrained": spec["pretrained"], "classes": spec["classes"], "method": args.method,
-        "options": options, "fit": {k: v for k, v in fit_kwargs.items()}, "seed": args.seed,
+        "options": options, "seed": args.seed,
+        "fit": {k: v for k, v in fit_kwargs.items() if not k.endswith("_loader")},
         "history": result.history, "val": val,
     })
     print(bnn.summary())

@@ -92,7 +92,8 @@ def main() -> None:
         try:
             torch.manual_seed(0)
             recipe = get_method_class(name).demo_recipe()
-            fit_kwargs = dict(recipe.get("fit", {}))
+            fit_kwargs = {k: loaders.get(v, v) if isinstance(v, str) and k.endswith("_loader")
+                          else v for k, v in recipe.get("fit", {}).items()}
             if args.epochs is not None:
                 fit_kwargs["epochs"] = args.epochs
             bnn = bayesify(copy.deepcopy(base), name, **recipe.get("options", {}))

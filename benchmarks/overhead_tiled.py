@@ -9,7 +9,9 @@ timm resnet18 (random init), batch B = 32 of 3×64×64, 10 classes. For each fam
 * prediction per member: median seconds of ``member_logits`` (M members in one
   tiled forward) divided by M, relative to one plain forward of B rows.
 
-Median of ``--steps`` timed steps after ``--warmup`` untimed ones.
+Median of ``--steps`` timed steps after ``--warmup`` untimed ones. Plain and family
+steps are interleaved (plain, family, plain, ...) so that both see the same machine
+load; each ratio compares medians taken in the same interleaved run.
 
     python benchmarks/overhead_tiled.py --steps 10 --threads 2
 """
@@ -34,15 +36,18 @@ FAMILIES = {
 }
 
 
-def _median_time(fn, *, steps: int, warmup: int) -> float:
+def _interleaved_medians(first, second, *, steps: int, warmup: int) -> tuple[float, float]:
+    """Median seconds of ``first()`` and ``second()``, timed alternately."""
     for _ in range(warmup):
-        fn()
-    times = []
+        first()
+        second()
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, out in ((first, times[0]), (second, times[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def main() -> None:
@@ -86,22 +91,25 @@ def main() -> None:
             plain(x)
             sync()
 
-    base_train = _median_time(plain_step, steps=args.steps, warmup=args.warmup) / args.batch
-    base_pred = _median_time(plain_predict, steps=args.steps, warmup=args.warmup)
-    print(f"device={device} threads={args.threads} batch={args.batch} size={args.size}")
-    print(f"plain: train {1e3 * base_train:.3f} ms/row, predict {1e3 * base_pred:.2f} ms/batch")
-    print("| family | rows/step | train ms/row | train ratio/row | members | predict ms/member | predict ratio/member |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"device={device} threads={args.threads} batch={args.batch} size={args.size} "
+          f"steps={args.steps} warmup={args.warmup}")
+    print("| family | rows/step | plain train ms/row | train ms/row | train ratio/row | members | "
+          "plain predict ms | predict ms/member | predict ratio/member |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.families.split(","):
-        row = _time_family(name, model, x, y, sync, steps=args.steps, warmup=args.warmup)
-        rows, train, members, pred = row
-        print(f"| {name} | {rows} | {1e3 * train:.3f} | {train / base_train:.3f} | {members} | "
-              f"{1e3 * pred:.2f} | {pred / base_pred:.3f} |", flush=True)
+        bnn = bayesify(model, name, **FAMILIES[name]).to(device)
+        step, predict, rows, members = _family_callables(bnn, x, y, sync)
+        plain_t, fam_t = _interleaved_medians(plain_step, step, steps=args.steps, warmup=args.warmup)
+        plain_p, fam_p = _interleaved_medians(plain_predict, predict, steps=args.steps, warmup=args.warmup)
+        train, base_train = fam_t / rows, plain_t / args.batch
+        pred = fam_p / members
+        print(f"| {name} | {rows} | {1e3 * base_train:.2f} | {1e3 * train:.2f} | "
+              f"{train / base_train:.3f} | {members} | {1e3 * plain_p:.1f} | {1e3 * pred:.1f} | "
+              f"{pred / plain_p:.3f} |", flush=True)
 
 
-def _time_family(name, model, x, y, sync, *, steps: int, warmup: int) -> tuple[int, float, int, float]:
-    """(rows per step, seconds per training row, members, seconds per predictive member)."""
-    bnn = bayesify(model, name, **FAMILIES[name]).to(x.device)
+def _family_callables(bnn, x, y, sync):
+    """(training step, prediction, rows per step, predictive members) of one family."""
     opt = build_optimizer(bnn, lr=1e-3, base_lr=0.0, optimizer="sgd", momentum=0.9,
                           weight_decay=0.0, base_weight_decay=0.0)
     rows = bnn.method.train_components(x.shape[0], x.device).shape[0]
@@ -122,9 +130,7 @@ def _time_family(name, model, x, y, sync, *, steps: int, warmup: int) -> tuple[i
         predictor.member_logits(x)
         sync()
 
-    train = _median_time(step, steps=steps, warmup=warmup) / rows
-    pred = _median_time(predict, steps=steps, warmup=warmup) / members
-    return rows, train, members, pred
+    return step, predict, rows, members
 
 if __name__ == "__main__":
     main()

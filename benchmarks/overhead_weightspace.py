@@ -80,7 +80,7 @@ def timing(steps: int, members: int, batch: int = 32, size: int = 64) -> dict:
         bopt = torch.optim.SGD(bnn.posterior_parameters(), lr=1e-4)
         rows = batch * int(getattr(bnn.config, "samples", 1))
 
-        def step() -> None:
+        def step(bnn=bnn, bopt=bopt) -> None:
             bnn.train()
             logits, targets = bnn.training_forward(x, y)
             loss = F.cross_entropy(logits, targets) + bnn.kl() / 10_000
@@ -89,7 +89,7 @@ def timing(steps: int, members: int, batch: int = 32, size: int = 64) -> dict:
             bopt.step()
 
         @torch.no_grad()
-        def predict() -> None:
+        def predict(bnn=bnn) -> None:
             bnn.eval()
             bnn.member_logits(x, samples_per_component=members, max_rows=members * batch)
 

@@ -125,9 +125,25 @@ class RawNoiseMethod(IBNNMethod):
     wrappers: ClassVar = {torch.nn.Linear: RawNoiseLayer, torch.nn.Conv2d: RawNoiseLayer}
 
 
+class BranchingLayer(NodeNoiseLayer):
+    """Python control flow on tensor values: torch.export cannot trace it."""
+
+    def forward(self, x, *args, **kwargs):
+        comp = self.context.components_for(x.shape[0], x.device)
+        if int(torch.unique(comp).numel()) > 1:
+            x = x * 1.0
+        return super().forward(x, *args, **kwargs)
+
+
+class BranchingMethod(IBNNMethod):
+    name = "export_test_branching"
+    wrappers: ClassVar = {torch.nn.Linear: BranchingLayer, torch.nn.Conv2d: BranchingLayer}
+
+
 @pytest.mark.parametrize(("cls", "message"), [
     (OverridingMethod, "overrides member_logits"),
     (RawNoiseMethod, "draws random numbers"),
+    (BranchingMethod, "torch.export could not trace"),
 ])
 def test_families_the_default_cannot_express_are_refused(cls, message, digits, digits_map,
                                                          monkeypatch, tmp_path):

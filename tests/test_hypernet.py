@@ -170,3 +170,13 @@ def test_resnets_train_a_step(arch: str) -> None:
     loss.backward()
     opt.step()
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("parameterization", ["rank1", "slices"])
+def test_export_matches_predictor(tmp_path, parameterization: str) -> None:
+    bnn = bayesify(_tiny(), "hypernet", parameterization=parameterization, **SMALL).eval()
+    x = torch.randn(3, 2, 6, 6)
+    predictor = bnn.predictor(samples_per_component=3)
+    predictor.export(tmp_path / "p.pt2", x)
+    probs, _ = torch.export.load(tmp_path / "p.pt2").module()(x)
+    torch.testing.assert_close(probs, predictor(x).probs, rtol=1e-5, atol=1e-6)

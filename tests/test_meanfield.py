@@ -231,3 +231,14 @@ def test_timm_resnet18_trains_a_step() -> None:
     opt.step()
     assert torch.isfinite(loss)
     assert bnn.predictor(samples_per_component=2)(x).probs.shape == (2, 10)
+
+
+@pytest.mark.parametrize("predict_sampling", ["weights", "local_reparam"])
+def test_export_matches_predictor(tmp_path, predict_sampling: str) -> None:
+    bnn = bayesify(_tiny(), "meanfield", delta=0.3, predict_sampling=predict_sampling).eval()
+    x = torch.randn(3, 2, 4, 4)
+    predictor = bnn.predictor(samples_per_component=3)
+    predictor.export(tmp_path / "p.pt2", x)
+    probs, _ = torch.export.load(tmp_path / "p.pt2").module()(x)
+    torch.testing.assert_close(probs, predictor(x).probs, rtol=1e-5, atol=1e-6)
+    assert predictor(x).epistemic.mean() > 0

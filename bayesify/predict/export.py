@@ -223,9 +223,19 @@ def export_program(module: ExportedPredictor, example_input: torch.Tensor,
     """``torch.export`` with a dynamic batch axis; refuses graphs that draw random numbers."""
     x = _example(example_input)
     batch = torch.export.Dim("batch", min=1)
-    with torch.no_grad():
-        program = torch.export.export(module, (x,), dynamic_shapes={"x": {0: batch}},
-                                      strict=False)
+    try:
+        with torch.no_grad():
+            program = torch.export.export(module, (x,), dynamic_shapes={"x": {0: batch}},
+                                          strict=False)
+    except BayesifyError:
+        raise
+    except Exception as err:  # torch raises many kinds: name the family instead
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise BayesifyError(
+            f"method {method!r} cannot be exported: torch.export could not trace its "
+            f"prediction ({type(err).__name__}: {first}); its layers use Python-side state "
+            "or data-dependent shapes, so the family has to implement Method.export_module"
+        ) from err
     random_ops = _random_ops(program)
     if random_ops:
         raise BayesifyError(

@@ -18,6 +18,8 @@ pretrained network *and* the posterior has spread from the first step:
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,7 +48,7 @@ class WeightGenerator(nn.Module):
         super().__init__()
         self.negative_slope = negative_slope
         widths = (noise_dim, *hidden)
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(widths))
         self.slice_embedding = nn.Embedding(num_slices, hidden[0]) if num_slices else None
         self.head = nn.Linear(hidden[-1], out_features)
         with torch.no_grad():

@@ -45,17 +45,17 @@ class HypernetMethod(Method):
     def wrap(self, name: str, module: nn.Module, context: SamplingContext) -> BayesianLayer:
         return HypernetLayer(module, context=context, config=self.config, noise=self.noise)
 
-    def prepare(self, bnn: "BayesianModel") -> None:
+    def prepare(self, bnn: BayesianModel) -> None:
         if self.noise.shared:
             bnn.model.register_forward_pre_hook(ResetNoise(self.noise))
 
     def training_forward(
-        self, bnn: "BayesianModel", x: torch.Tensor, y: torch.Tensor
+        self, bnn: BayesianModel, x: torch.Tensor, y: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return member_training_forward(bnn, x, y, self.config.samples)
 
     def export_module(
-        self, bnn: "BayesianModel", *, samples_per_component: int, seed: int, example_input: torch.Tensor
+        self, bnn: BayesianModel, *, samples_per_component: int, seed: int, example_input: torch.Tensor
     ) -> nn.Module:
         """M generated networks, materialised as plain copies of the base network."""
         return export_weight_members(bnn, samples_per_component=samples_per_component, seed=seed,

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def export_weight_members(
-    bnn: "BayesianModel", *, samples_per_component: int, seed: int, example_input: torch.Tensor
+    bnn: BayesianModel, *, samples_per_component: int, seed: int, example_input: torch.Tensor
 ) -> nn.Module:
     """``x → [M, B, C]`` from M unwrapped copies carrying member m's weights.
 

@@ -68,7 +68,7 @@ class MeanFieldMethod(Method):
     }
 
     def training_forward(
-        self, bnn: "BayesianModel", x: torch.Tensor, y: torch.Tensor
+        self, bnn: BayesianModel, x: torch.Tensor, y: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.config.sampling == "weights":
             return member_training_forward(bnn, x, y, self.config.samples)
@@ -78,7 +78,7 @@ class MeanFieldMethod(Method):
         """Minibatch KL multiplier (see :func:`minibatch_kl_weight`); the trainer calls it."""
         return minibatch_kl_weight(step, steps_per_epoch, self.config.kl_weighting)
 
-    def param_groups(self, bnn: "BayesianModel", *, lr: float, weight_decay: float) -> list[dict[str, Any]]:
+    def param_groups(self, bnn: BayesianModel, *, lr: float, weight_decay: float) -> list[dict[str, Any]]:
         """Two posterior groups: μ at ``lr``, ρ at ``lr · rho_lr_scale`` (no weight decay on ρ)."""
         mu, rho = [], []
         for name, p in bnn.named_posterior_parameters():
@@ -91,7 +91,7 @@ class MeanFieldMethod(Method):
         return groups
 
     def export_module(
-        self, bnn: "BayesianModel", *, samples_per_component: int, seed: int, example_input: torch.Tensor
+        self, bnn: BayesianModel, *, samples_per_component: int, seed: int, example_input: torch.Tensor
     ) -> nn.Module:
         """Weight-sample members → M plain networks; local-reparam members → frozen noise tables."""
         layers = list(bnn.bayesian_layers().values())

@@ -65,7 +65,7 @@ class WeightPrior:
     std2: float = math.exp(-6)
 
     @classmethod
-    def from_config(cls, config) -> "WeightPrior":
+    def from_config(cls, config) -> WeightPrior:
         return cls(kind=config.prior, std=config.prior_std, pi=config.mixture_pi,
                    std1=config.mixture_std1, std2=config.mixture_std2)
 

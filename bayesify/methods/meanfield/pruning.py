@@ -44,7 +44,7 @@ def signal_to_noise(layer: MeanFieldLayer) -> torch.Tensor:
     return layer.weight_mu.detach().abs() / layer.weight_std.detach()
 
 
-def _layers(bnn: "BayesianModel") -> dict[str, MeanFieldLayer]:
+def _layers(bnn: BayesianModel) -> dict[str, MeanFieldLayer]:
     layers = {n: m for n, m in bnn.bayesian_layers().items() if isinstance(m, MeanFieldLayer)}
     if not layers:
         raise BayesifyError(
@@ -54,13 +54,13 @@ def _layers(bnn: "BayesianModel") -> dict[str, MeanFieldLayer]:
 
 
 @torch.no_grad()
-def _prune(bnn: "BayesianModel", fraction: float, score_fn) -> PruneResult:
+def _prune(bnn: BayesianModel, fraction: float, score_fn) -> PruneResult:
     if not 0.0 <= fraction < 1.0:
         raise BayesifyError(f"fraction must be in [0, 1), got {fraction}")
     layers = _layers(bnn)
     scores = {name: score_fn(layer).float() for name, layer in layers.items()}
     flat = torch.cat([s.flatten().cpu() for s in scores.values()])
-    count = int(round(fraction * flat.numel()))
+    count = round(fraction * flat.numel())
     if count == 0:
         threshold = float("-inf")
         masks = {n: torch.ones_like(s, dtype=torch.bool) for n, s in scores.items()}
@@ -81,11 +81,11 @@ def _prune(bnn: "BayesianModel", fraction: float, score_fn) -> PruneResult:
     return PruneResult(masks=masks, threshold=threshold, pruned=count, total=flat.numel())
 
 
-def snr_prune(bnn: "BayesianModel", fraction: float) -> PruneResult:
+def snr_prune(bnn: BayesianModel, fraction: float) -> PruneResult:
     """Prune (in place) the ``fraction`` of weights with the lowest ``|μ|/σ``, globally."""
     return _prune(bnn, fraction, signal_to_noise)
 
 
-def magnitude_prune(bnn: "BayesianModel", fraction: float) -> PruneResult:
+def magnitude_prune(bnn: BayesianModel, fraction: float) -> PruneResult:
     """Naive baseline: prune (in place) the ``fraction`` of weights with the lowest ``|μ|``."""
     return _prune(bnn, fraction, lambda layer: layer.weight_mu.detach().abs())
