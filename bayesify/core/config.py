@@ -14,7 +14,7 @@ from typing import Any
 from bayesify.errors import BayesifyError
 
 
-def option(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse
+def option(default: Any, help: str) -> Any:
     """A dataclass field with a help text (tuples/lists become immutable defaults)."""
     if isinstance(default, list):
         default = tuple(default)
@@ -57,7 +57,7 @@ class MethodConfig:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
     @classmethod
-    def from_kwargs(cls, method: str, kwargs: dict[str, Any]) -> "MethodConfig":
+    def from_kwargs(cls, method: str, kwargs: dict[str, Any]) -> MethodConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
