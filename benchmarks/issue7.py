@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="override the recipes' epochs")
     parser.add_argument("--methods", default=None, help="comma list (default: list_methods())")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-throughput", action="store_true", help="only the per-family table")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -108,6 +109,8 @@ def main() -> None:
         print(name, {k: v for k, v in row.items() if k != "trace"}, flush=True)
         Path(args.out).write_text(json.dumps(out, indent=2))
 
+    if args.no_throughput:
+        return
     # throughput on CPU: digits CNN (iBNN recipe, M = 20) and timm resnet18 at 64×64 (M = 4)
     import timm
 

@@ -6,8 +6,9 @@ NLL of the *mixture*
     NLL(T) = −(1/N) Σ_n log( (1/M) Σ_m softmax(f_m(x_n) / T)[y_n] ),
 
 optimised by LBFGS over log T (so T stays positive), started from the best of
-a coarse grid. The fit never makes the validation NLL worse: when the optimum
-is not better than the predictor's current temperature, that one is kept.
+a coarse grid and kept in ``T_BOUNDS``. The fit never makes the validation NLL
+worse: when the optimum is not better than the predictor's current temperature,
+that one is kept.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
 METHODS = ("temperature",)
 #: coarse grid of log T the LBFGS run starts from (T in [1/20, 20])
 _LOG_T_GRID = torch.linspace(-math.log(20.0), math.log(20.0), 13)
+#: T is kept in this range: on a small validation set the mixture NLL can keep falling
+#: as T → 0 (the members' hard votes become the probabilities), which overfits
+T_BOUNDS = (1e-2, 1e2)
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,13 @@ def fit_temperature(member_logits: torch.Tensor, labels: torch.Tensor, *,
 
     optimizer.step(closure)
     value = float(log_t.detach().exp())
-    return value if math.isfinite(value) and value > 0 else float(start.exp())
+    if not math.isfinite(value):
+        return float(start.exp())
+    value = min(max(value, T_BOUNDS[0]), T_BOUNDS[1])
+    with torch.no_grad():
+        clamped = mixture_nll(logits, labels, torch.tensor(math.log(value)))
+        at_start = mixture_nll(logits, labels, start)
+    return value if clamped <= at_start else float(start.exp())
 
 
 def calibration_stats(member_logits: torch.Tensor, labels: torch.Tensor,
