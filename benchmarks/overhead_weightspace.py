@@ -1,7 +1,8 @@
 """Overhead of the weight-space families (meanfield, hypernet) against the plain model.
 
-Part 1 (timm resnet18, random init, batch 32 of 3×64×64): median seconds of
-≥10 steps after warm-up for
+Part 1 (timm resnet18, random init, batch 32 of 3×64×64): ≥10 steps after
+2 warm-up steps, plain and Bayesian steps interleaved (paired ratios, robust to
+other load on the machine), medians of
 
 * a training step (forward of the tiled batch + KL + backward + optimiser step),
   reported per training row (S·B rows) relative to a plain fine-tuning step per row;
@@ -18,6 +19,7 @@ a fresh subprocess (``ru_maxrss``).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import resource
 import statistics
@@ -37,15 +39,22 @@ CONFIGS: dict[str, tuple[str, dict]] = {
 }
 
 
-def _median_time(fn, steps: int, warmup: int = 2) -> float:
+def _paired(fn_a, fn_b, steps: int, warmup: int = 2) -> tuple[float, float, float]:
+    """Alternate ``fn_a`` / ``fn_b``; medians of each and the median of paired ratios b/a.
+
+    Interleaving makes the ratio robust to load from other processes on a shared machine.
+    """
     for _ in range(warmup):
-        fn()
-    times = []
+        fn_a()
+        fn_b()
+    ta, tb = [], []
     for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, times in ((fn_a, ta), (fn_b, tb)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    ratio = statistics.median(b / a for a, b in zip(ta, tb))
+    return statistics.median(ta), statistics.median(tb), ratio
 
 
 def timing(steps: int, members: int, batch: int = 32, size: int = 64) -> dict:
@@ -57,24 +66,22 @@ def timing(steps: int, members: int, batch: int = 32, size: int = 64) -> dict:
     model = timm.create_model("resnet18", pretrained=False, num_classes=10).eval()
     x = torch.randn(batch, 3, size, size)
     y = torch.randint(0, 10, (batch,))
-
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
 
     def plain_step() -> None:
-        model.train()
-        loss = F.cross_entropy(model(x), y)
+        plain.train()
+        loss = F.cross_entropy(plain(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
     @torch.no_grad()
     def plain_predict() -> None:
-        model.eval()
-        model(x)
+        plain.eval()
+        plain(x)
 
-    out = {"plain": {"train_s": _median_time(plain_step, steps), "rows": batch,
-                     "predict_s": _median_time(plain_predict, steps)}}
-    base_row = out["plain"]["train_s"] / batch
+    out = {}
     for label, (method, options) in CONFIGS.items():
         bnn = bayesify(model, method, **options)
         bopt = torch.optim.SGD(bnn.posterior_parameters(), lr=1e-4)
@@ -93,12 +100,13 @@ def timing(steps: int, members: int, batch: int = 32, size: int = 64) -> dict:
             bnn.eval()
             bnn.member_logits(x, samples_per_component=members, max_rows=members * batch)
 
-        train_s = _median_time(step, steps)
-        predict_s = _median_time(predict, steps)
+        plain_train_s, train_s, train_ratio = _paired(plain_step, step, steps)
+        plain_predict_s, predict_s, predict_ratio = _paired(plain_predict, predict, steps)
         out[label] = {
-            "train_s": train_s, "rows": rows, "train_per_row_ratio": (train_s / rows) / base_row,
-            "predict_s": predict_s, "members": members,
-            "predict_per_member_ratio": (predict_s / members) / out["plain"]["predict_s"],
+            "plain_train_s": plain_train_s, "train_s": train_s, "rows": rows,
+            "train_per_row_ratio": train_ratio * batch / rows,
+            "plain_predict_s": plain_predict_s, "predict_s": predict_s, "members": members,
+            "predict_per_member_ratio": predict_ratio / members,
             "posterior_params": sum(p.numel() for p in bnn.posterior_parameters()),
         }
         print(label, json.dumps(out[label]), flush=True)
