@@ -34,6 +34,7 @@ from bayesify.core.method import logits_of, tile
 from bayesify.core.walker import find_classifier
 from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.methods.ensemble.config import EnsembleConfig
+from bayesify.methods.ensemble.export import export_ensemble
 from bayesify.methods.ensemble.layers import EnsembleLayer
 from bayesify.methods.rank1.tiled import TiledMethod
 
@@ -76,6 +77,13 @@ class EnsembleMethod(TiledMethod):
     def default_lr(self) -> float:
         # the mean loss over M tiled copies gives each member 1/M of its gradient
         return 0.01 * self.components
+
+    def export_module(self, bnn: BayesianModel, *, samples_per_component: int, seed: int,
+                      example_input: torch.Tensor) -> nn.Module:
+        """``x → [M, B, C]`` from one plain network per member (the in-process routing,
+        ``bincount().tolist()``, is data-dependent); see :mod:`bayesify.methods.ensemble.export`."""
+        return export_ensemble(bnn, samples_per_component=samples_per_component,
+                               example_input=example_input)
 
     # -- snapshot ensembles --------------------------------------------------------------
     def training_forward(

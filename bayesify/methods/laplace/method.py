@@ -30,6 +30,7 @@ from bayesify.errors import BayesifyError
 from bayesify.methods.laplace import curvature as curv
 from bayesify.methods.laplace import posterior as post
 from bayesify.methods.laplace.config import LaplaceConfig
+from bayesify.methods.laplace.export import export_laplace
 from bayesify.methods.laplace.layers import LaplaceLayer
 
 if TYPE_CHECKING:
@@ -370,6 +371,14 @@ class LaplaceMethod(Method):
         z = torch.randn((samples, posterior.num_params), generator=generator, dtype=torch.float64)
         delta = z.to(jac) * posterior.variance(tau).sqrt().to(jac)
         return f.unsqueeze(0) + torch.einsum("bcp,sp->sbc", jac, delta)
+
+    def export_module(self, bnn: BayesianModel, *, samples_per_component: int, seed: int,
+                      example_input: torch.Tensor) -> nn.Module:
+        """``x → [M, B, C]`` of this predictive with τ-dependent posterior factors frozen
+        into buffers; see :mod:`bayesify.methods.laplace.export`."""
+        return export_laplace(self, bnn, samples_per_component=samples_per_component, seed=seed,
+                              example_input=example_input,
+                              deterministic=bnn.context.force_deterministic)
 
     # -- persistence ----------------------------------------------------------------------------
     def posterior_state(self, bnn: BayesianModel) -> dict[str, torch.Tensor]:

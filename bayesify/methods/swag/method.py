@@ -26,6 +26,7 @@ from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.methods.swag import posterior as post
 from bayesify.methods.swag.batchnorm import batchnorm_state, recompute_batchnorm
 from bayesify.methods.swag.config import SWAGConfig
+from bayesify.methods.swag.export import export_swag
 from bayesify.methods.swag.layers import SWAGLayer
 
 if TYPE_CHECKING:
@@ -246,6 +247,14 @@ class SWAGMethod(Method):
                               "evaluating them one by one", stacklevel=3)
                 self._vmap_ok = False
         return torch.stack([logits_of(functional_call(model, s, (x,))) for s in states])
+
+    def export_module(self, bnn: BayesianModel, *, samples_per_component: int, seed: int,
+                      example_input: torch.Tensor) -> nn.Module:
+        """``x → [N, B, C]``: the N sampled networks (weights + recomputed BatchNorm) as
+        plain copies; see :mod:`bayesify.methods.swag.export`."""
+        return export_swag(self, bnn, samples_per_component=samples_per_component, seed=seed,
+                           example_input=example_input,
+                           deterministic=bnn.context.force_deterministic)
 
     # -- persistence -----------------------------------------------------------------------
     def posterior_state(self, bnn: BayesianModel) -> dict[str, torch.Tensor]:

@@ -1,0 +1,157 @@
+"""Export of the Laplace predictive: the linearised (GLM) predictive as a plain module.
+
+``export_laplace(bnn, ...)`` returns ``x [B, ...] → [M, B, C]`` computing exactly what
+``LaplaceMethod.member_logits`` computes, with everything that depends only on the
+posterior (and τ) precomputed into buffers:
+
+* last layer, probit / bridge (M = 1, "logits" are log predictive probabilities)::
+
+      ã = [a(x), 1],  f* = W* ã,  Σ_f = J Σ Jᵀ  →  [diag Σ_f, Σ_f 1, 1ᵀ Σ_f 1]
+      kron: Q_A, Q_G, 1/(λ_G λ_Aᵀ/N + τ)       diag: 1/(h + τ)       full: Σ blocks
+
+  then ``log softmax(f*/sqrt(1 + π/8 diag Σ_f))`` (probit) or the Laplace bridge;
+* last layer, mc: the S frozen weight samples ``W_s [S, C, D']``, ``f_s = W_s ã``.
+
+The subnetwork (diagonal) posterior is refused: its predictive needs per-example
+Jacobians (``vmap(jacrev)``), which torch.export cannot trace.
+
+Since M = 1 for probit / bridge the exported mutual information is 0, as in process.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from bayesify.core.method import logits_of
+from bayesify.errors import BayesifyError
+from bayesify.methods.laplace import posterior as post
+from bayesify.methods.laplace.curvature import augmented_features
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
+    from bayesify.methods.laplace.method import LaplaceMethod
+
+
+class FeatureTap(nn.Module):
+    """Stands in for the Laplace classifier: ``a [B, D] → W a + b``, keeping ``a``.
+
+    The features are read back by :class:`LastLayerLaplace` right after the forward
+    (torch.export traces Python, so the attribute hand-over is not part of the graph).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+        self.features: torch.Tensor | None = None
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        self.features = a
+        return self.linear(a)
+
+
+def _unwrapped_with_tap(bnn: BayesianModel, name: str) -> tuple[nn.Module, FeatureTap]:
+    net = bnn.unwrap().eval()
+    linear = net.get_submodule(name) if name else net
+    tap = FeatureTap(linear)
+    if not name:
+        return tap, tap
+    parent_name, _, attr = name.rpartition(".")
+    setattr(net.get_submodule(parent_name) if parent_name else net, attr, tap)
+    return net, tap
+
+
+class LastLayerLaplace(nn.Module):
+    """``x → [M, B, C]`` of the last-layer Laplace predictive (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, tap: FeatureTap, *, has_bias: bool, link: str,
+                 structure: str, dtype: torch.dtype, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "tap", tap)  # already a submodule of model
+        self.has_bias, self.link, self.structure, self.dtype = has_bias, link, structure, dtype
+        for key, value in tensors.items():
+            self.register_buffer(key, value.detach().clone())
+
+    def functional_variance(self, feats: torch.Tensor) -> post.FunctionalVariance:
+        """``(diag Σ_f [B, C], Σ_f 1 [B, C], 1ᵀ Σ_f 1 [B])`` with the same arithmetic as
+        :mod:`bayesify.methods.laplace.posterior`."""
+        if self.structure == "kron":
+            s = (feats @ self.q_a).square() @ self.inv_eig.T  # [B, C]
+            diag = s @ self.q_g_sq.T
+            rowsum = (s * self.q_g_sum) @ self.q_g.T
+            return diag, rowsum, (s * self.q_g_sum.square()).sum(-1)
+        if self.structure == "diag":
+            diag = feats.square() @ self.inv_h.T
+            return diag, diag, diag.sum(-1)
+        # Σ_de ã_d M[c, d, e] ã_e as two matmuls (an einsum over three operands makes
+        # torch.export specialise the batch size)
+        c, d = self.cov_blocks.shape[0], self.cov_blocks.shape[1]
+        diag = ((feats @ self.cov_blocks.permute(1, 0, 2).reshape(d, c * d)).view(-1, c, d)
+                * feats.unsqueeze(1)).sum(-1)
+        rowsum = ((feats @ self.cov_rows.permute(1, 0, 2).reshape(d, c * d)).view(-1, c, d)
+                  * feats.unsqueeze(1)).sum(-1)
+        return diag, rowsum, rowsum.sum(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = logits_of(self.model(x))
+        a, self.tap.features = self.tap.features, None
+        feats = augmented_features(a, self.has_bias).to(self.dtype)
+        if self.link == "mc":
+            return torch.einsum("bd,scd->sbc", feats, self.weight_samples)
+        fvar = self.functional_variance(feats)
+        out_dtype = logits.dtype
+        logits = logits.to(fvar[0].dtype)
+        if self.link == "probit":
+            return post.probit_log_probs(logits, fvar[0]).to(out_dtype).unsqueeze(0)
+        return post.bridge_log_probs(logits, fvar).to(out_dtype).unsqueeze(0)
+
+
+def _last_layer_tensors(posterior: object, structure: str, link: str, tau: torch.Tensor, *,
+                        samples: int, seed: int | None) -> dict[str, torch.Tensor]:
+    """What the forward needs of the posterior at τ, precomputed once (no eigh / cholesky
+    in the graph)."""
+    with torch.no_grad():
+        if link == "mc":  # the predictor's S draws: same generator, same order as in process
+            generator = torch.Generator().manual_seed(0 if seed is None else seed)
+            z = torch.randn((samples, *posterior.mean.shape), generator=generator, dtype=torch.float64)
+            return {"weight_samples": posterior.sample_weights(z.to(posterior.mean), tau)}
+        if structure == "kron":
+            return {"q_a": posterior.q_a, "inv_eig": 1.0 / (posterior.eig + tau),
+                    "q_g": posterior.q_g, "q_g_sq": posterior.q_g.square(),
+                    "q_g_sum": posterior.q_g.sum(0)}
+        if structure == "diag":
+            return {"inv_h": 1.0 / (posterior.h + tau)}
+        c, d = posterior.mean.shape
+        cov = posterior._covariance(tau)[0].view(c, d, c, d)
+        return {"cov_blocks": cov.diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous(),
+                "cov_rows": cov.sum(2).contiguous()}
+
+
+def export_laplace(method: LaplaceMethod, bnn: BayesianModel, *, samples_per_component: int,
+                   seed: int, example_input: torch.Tensor, deterministic: bool) -> nn.Module:
+    """The plain ``x → [M, B, C]`` module of ``method``'s predictive (see module docstring)."""
+    from bayesify.predict.export import StackedModels
+
+    if deterministic or method.train_loss is None:  # in process: the MAP network alone
+        return StackedModels([bnn.unwrap()])
+    layers = method._layers(bnn)
+    posterior = method.posterior(bnn)
+    tau = method.prior_precision(bnn).detach()
+    link = method.config.link
+    if method.last_layer:
+        name, layer = next(iter(layers.items()))
+        model, tap = _unwrapped_with_tap(bnn, name)
+        tensors = _last_layer_tensors(posterior, layer.structure, link, tau,
+                                      samples=samples_per_component, seed=seed)
+        return LastLayerLaplace(model, tap, has_bias=layer.has_bias, link=link,
+                                structure=layer.structure, dtype=posterior.mean.dtype,
+                                tensors=tensors).eval()
+    raise BayesifyError(
+        "method 'laplace' with a subnetwork (diagonal) posterior cannot be exported: its "
+        "predictive needs per-example Jacobians (torch.func vmap/jacrev), which "
+        "torch.export cannot trace; export a last-layer Laplace (targets='last_layer', "
+        "structure kron/diag/full) instead"
+    )
