@@ -22,6 +22,17 @@ if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
 DEFAULT_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+TRANSPOSED_TYPES: tuple[type[nn.Module], ...] = (
+    nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+)
+
+
+def wrapper_table(
+    layer: type[BayesianLayer], *, transposed: bool = False
+) -> dict[type[nn.Module], type[BayesianLayer]]:
+    """The explicit type → wrapper table: Linear and Conv1d/2d/3d (+ ConvTranspose)."""
+    types = DEFAULT_TYPES + (TRANSPOSED_TYPES if transposed else ())
+    return dict.fromkeys(types, layer)
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -66,10 +77,10 @@ class Method:
                 return wrapper(module, context=context, config=self.config)
         raise TypeError(f"{self.name} cannot wrap {type(module).__name__}")
 
-    def prepare(self, bnn: "BayesianModel") -> None:
+    def prepare(self, bnn: BayesianModel) -> None:
         """Hook run once after injection (e.g. per-member BatchNorm)."""
 
-    def extra_posterior_parameters(self, bnn: "BayesianModel") -> Iterator[tuple[str, nn.Parameter]]:
+    def extra_posterior_parameters(self, bnn: BayesianModel) -> Iterator[tuple[str, nn.Parameter]]:
         """Posterior tensors living outside the injected layers (e.g. shared generators)."""
         return iter(())
 
@@ -85,7 +96,7 @@ class Method:
         return torch.arange(rows, device=device) % self.components
 
     def training_forward(
-        self, bnn: "BayesianModel", x: torch.Tensor, y: torch.Tensor
+        self, bnn: BayesianModel, x: torch.Tensor, y: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[R, C]`` and targets ``[R]`` of one tiled training batch."""
         comp = self.train_components(x.shape[0], x.device)
@@ -95,14 +106,14 @@ class Method:
             logits = logits_of(bnn.model(xt))
         return logits, yt
 
-    def kl(self, bnn: "BayesianModel") -> torch.Tensor:
+    def kl(self, bnn: BayesianModel) -> torch.Tensor:
         """KL(q‖p) summed over every injected layer (not divided by N_train)."""
         total = torch.zeros((), device=bnn.device)
         for layer in bnn.bayesian_layers().values():
             total = total + layer.kl().to(total.device, torch.float32)
         return total
 
-    def fit(self, bnn: "BayesianModel", loader: Any, **kwargs: Any) -> dict[str, Any] | None:
+    def fit(self, bnn: BayesianModel, loader: Any, **kwargs: Any) -> dict[str, Any] | None:
         """Post-hoc fitting (SWAG, Laplace). Gradient families return ``None``."""
         return None
 
@@ -114,7 +125,7 @@ class Method:
 
     def member_logits(
         self,
-        bnn: "BayesianModel",
+        bnn: BayesianModel,
         x: torch.Tensor,
         *,
         samples_per_component: int,
@@ -145,7 +156,7 @@ class Method:
         return torch.cat(outs, dim=0)
 
     # -- persistence and export ------------------------------------------------------
-    def posterior_state(self, bnn: "BayesianModel") -> dict[str, torch.Tensor]:
+    def posterior_state(self, bnn: BayesianModel) -> dict[str, torch.Tensor]:
         """Non-parameter tensors the posterior needs (e.g. SWAG moments as buffers).
 
         Keys are base-model module names (``"layer1.0.conv1.sq_mean"``); they are
@@ -153,7 +164,7 @@ class Method:
         """
         return {}
 
-    def load_posterior_state(self, bnn: "BayesianModel", state: dict[str, torch.Tensor]) -> None:
+    def load_posterior_state(self, bnn: BayesianModel, state: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`posterior_state` returned (keys already checked)."""
         if state:
             from bayesify.errors import BayesifyError
@@ -165,7 +176,7 @@ class Method:
 
     def export_module(
         self,
-        bnn: "BayesianModel",
+        bnn: BayesianModel,
         *,
         samples_per_component: int,
         seed: int,
@@ -189,7 +200,7 @@ class Method:
         """Learning rate of the posterior group when ``fit(lr=None)``."""
         return 0.1
 
-    def param_groups(self, bnn: "BayesianModel", *, lr: float, weight_decay: float) -> list[dict[str, Any]]:
+    def param_groups(self, bnn: BayesianModel, *, lr: float, weight_decay: float) -> list[dict[str, Any]]:
         """Optimiser groups of the posterior (the base group is added by the trainer).
 
         Default: one group ``"posterior"`` at ``lr``. Families with a per-group LR

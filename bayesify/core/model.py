@@ -99,7 +99,7 @@ class BayesianModel(nn.Module):
         return self.method.kl(self)
 
     # -- modes -------------------------------------------------------------------------
-    def train(self, mode: bool = True) -> "BayesianModel":
+    def train(self, mode: bool = True) -> BayesianModel:
         super().train(mode)
         if mode and not self.bn_train:
             # frozen pretrained statistics: BatchNorm stays in eval while fine-tuning
@@ -109,7 +109,7 @@ class BayesianModel(nn.Module):
         return self
 
     @contextlib.contextmanager
-    def deterministic(self) -> Iterator["BayesianModel"]:
+    def deterministic(self) -> Iterator[BayesianModel]:
         """Every noise variable replaced by the posterior mean of its component."""
         previous = self.context.force_deterministic
         self.context.force_deterministic = True
@@ -148,7 +148,7 @@ class BayesianModel(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return logits_of(self.model(x))
 
-    def predictor(self, samples_per_component: int | None = None, **kwargs: Any) -> "EnsemblePredictor":
+    def predictor(self, samples_per_component: int | None = None, **kwargs: Any) -> EnsemblePredictor:
         """An :class:`EnsemblePredictor` over K components × n samples."""
         from bayesify.predict.predictor import EnsemblePredictor
 
@@ -189,8 +189,9 @@ class BayesianModel(nn.Module):
         total = sum(p.numel() for p in self.posterior_parameters())
         base = sum(p.numel() for p in self.base_parameters())
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = [f"bayesify[{self.method_name}] {type(self.model).__name__}: "
-                 f"{len(rows) - 1} layer(s) wrapped, components={self.method.components}"]
+        title = (f"bayesify[{self.method_name}] {type(self.model).__name__}: "
+                 f"{len(rows) - 1} layer(s) wrapped, components={self.method.components}")
+        lines = [title]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)))
         lines.append(f"nodes per component: {self.num_nodes()}; posterior values: {total}; "

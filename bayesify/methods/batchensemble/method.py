@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import nn
 
 from bayesify.core.context import SamplingContext
+from bayesify.core.method import wrapper_table
 from bayesify.methods.batchensemble.config import BatchEnsembleConfig
 from bayesify.methods.rank1.layers import RankOneLayer
 from bayesify.methods.rank1.tiled import TiledMethod
@@ -32,12 +33,7 @@ class BatchEnsembleMethod(TiledMethod):
 
     name = "batchensemble"
     config_cls = BatchEnsembleConfig
-    wrappers: ClassVar = {
-        nn.Linear: BatchEnsembleLayer,
-        nn.Conv1d: BatchEnsembleLayer,
-        nn.Conv2d: BatchEnsembleLayer,
-        nn.Conv3d: BatchEnsembleLayer,
-    }
+    wrappers: ClassVar = wrapper_table(BatchEnsembleLayer)
 
     def default_samples_per_component(self) -> int:
         return 1  # members are deterministic: more samples would repeat them

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from torch import nn
-
-from bayesify.core.method import Method
+from bayesify.core.method import Method, wrapper_table
 from bayesify.methods.dropout.config import DropoutConfig
 from bayesify.methods.dropout.layers import DropoutLayer
 
@@ -21,12 +19,7 @@ class DropoutMethod(Method):
 
     name = "dropout"
     config_cls = DropoutConfig
-    wrappers: ClassVar = {
-        nn.Linear: DropoutLayer,
-        nn.Conv1d: DropoutLayer,
-        nn.Conv2d: DropoutLayer,
-        nn.Conv3d: DropoutLayer,
-    }
+    wrappers: ClassVar = wrapper_table(DropoutLayer)
 
     def default_lr(self) -> float:
         return 0.001  # the variational parameters are the pretrained weights: fine-tuning LR

@@ -9,7 +9,7 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer
-from bayesify.core.method import Method
+from bayesify.core.method import Method, wrapper_table
 from bayesify.methods.hypernet.config import HypernetConfig
 from bayesify.methods.hypernet.generator import NoiseSource, ResetNoise
 from bayesify.methods.hypernet.layers import HypernetLayer
@@ -31,12 +31,7 @@ class HypernetMethod(Method):
 
     name = "hypernet"
     config_cls = HypernetConfig
-    wrappers: ClassVar = {
-        nn.Linear: HypernetLayer,
-        nn.Conv1d: HypernetLayer,
-        nn.Conv2d: HypernetLayer,
-        nn.Conv3d: HypernetLayer,
-    }
+    wrappers: ClassVar = wrapper_table(HypernetLayer)
 
     def __init__(self, config: HypernetConfig) -> None:
         super().__init__(config)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from torch import nn
-
-from bayesify.core.method import Method
+from bayesify.core.method import Method, wrapper_table
 from bayesify.methods.ibnn.config import IBNNConfig
 from bayesify.methods.ibnn.layers import NodeNoiseLayer
 
@@ -21,15 +19,7 @@ class IBNNMethod(Method):
 
     name = "ibnn"
     config_cls = IBNNConfig
-    wrappers: ClassVar = {
-        nn.Linear: NodeNoiseLayer,
-        nn.Conv1d: NodeNoiseLayer,
-        nn.Conv2d: NodeNoiseLayer,
-        nn.Conv3d: NodeNoiseLayer,
-        nn.ConvTranspose1d: NodeNoiseLayer,
-        nn.ConvTranspose2d: NodeNoiseLayer,
-        nn.ConvTranspose3d: NodeNoiseLayer,
-    }
+    wrappers: ClassVar = wrapper_table(NodeNoiseLayer, transposed=True)
 
     def default_lr(self) -> float:
         # the paper's variational LR for pretrained ResNet-50 (large, constant, no

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from bayesify.core.method import Method
+from bayesify.core.method import Method, wrapper_table
 from bayesify.errors import BayesifyError
 from bayesify.methods.meanfield.config import MeanFieldConfig
 from bayesify.methods.meanfield.export import export_weight_members
@@ -60,12 +60,7 @@ class MeanFieldMethod(Method):
 
     name = "meanfield"
     config_cls = MeanFieldConfig
-    wrappers: ClassVar = {
-        nn.Linear: MeanFieldLayer,
-        nn.Conv1d: MeanFieldLayer,
-        nn.Conv2d: MeanFieldLayer,
-        nn.Conv3d: MeanFieldLayer,
-    }
+    wrappers: ClassVar = wrapper_table(MeanFieldLayer)
 
     def training_forward(
         self, bnn: BayesianModel, x: torch.Tensor, y: torch.Tensor

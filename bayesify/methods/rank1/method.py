@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 from torch import nn
 
 from bayesify.core.context import SamplingContext
+from bayesify.core.method import wrapper_table
 from bayesify.methods.rank1.config import Rank1Config
 from bayesify.methods.rank1.layers import RankOneLayer
 from bayesify.methods.rank1.tiled import TiledMethod
@@ -33,12 +34,7 @@ class Rank1Method(TiledMethod):
 
     name = "rank1"
     config_cls = Rank1Config
-    wrappers: ClassVar = {
-        nn.Linear: Rank1Layer,
-        nn.Conv1d: Rank1Layer,
-        nn.Conv2d: Rank1Layer,
-        nn.Conv3d: Rank1Layer,
-    }
+    wrappers: ClassVar = wrapper_table(Rank1Layer)
 
     def default_lr(self) -> float:
         # each member's factors get 1/K of the mean loss's gradient: scale the step by K
