@@ -149,3 +149,40 @@ def test_errors_are_explicit():
         fit(bnn, data((4,)), epochs=1, progress=False)
     with pytest.raises(BayesifyError, match="unknown fit option"):
         fit(bayesify(mlp(), "swag"), data((4,)), progress=False, bogus=1)
+
+
+def test_scale_chosen_on_validation_matches_brute_force_and_round_trips():
+    loader, val = data((4,)), data((4,), n=24, batch=5)
+    grid = (0.1, 100.0, 4)
+    chosen = {}
+    for rule in ("min", "one_se"):
+        bnn = bayesify(mlp(), "swag", max_rank=4, snapshot_every_steps=2, lr=0.05, predict_samples=6,
+                       scale_method="val_nll", scale_grid=grid, val_rule=rule)
+        info = fit(bnn, loader, epochs=2, progress=False, val_loader=val)
+        chosen[rule] = bnn.method.scale
+        assert info.history[-1]["scale"] == chosen[rule]
+    # brute force: the predictive of seed 0 at every grid scale, through the public predictor
+    nll = []
+    for scale in torch.logspace(-1, 2, 4, dtype=torch.float64).tolist():
+        bnn.method.scale = scale
+        bnn.method._bn_cache.clear()
+        nll.append(bnn.predictor(seed=0)._stream(val, with_labels=True)["nll"].double())
+    means = torch.stack([v.mean() for v in nll])
+    best = int(means.argmin())
+    grid_values = torch.logspace(-1, 2, 4, dtype=torch.float64)
+    assert chosen["min"] == pytest.approx(float(grid_values[best]))
+    se = nll[best].std() / math.sqrt(nll[best].numel())
+    inside = torch.nonzero(means <= means[best] + se + 1e-9).flatten()
+    assert chosen["one_se"] == pytest.approx(float(grid_values[int(inside[-1])]))
+    assert chosen["one_se"] >= chosen["min"]
+    # the chosen scale travels with the posterior state
+    bnn.method.scale = chosen["one_se"]
+    state = bnn.method.posterior_state(bnn)
+    fresh = bayesify(mlp(), "swag", max_rank=4)
+    fresh.method.load_posterior_state(fresh, state)
+    assert fresh.method.scale == pytest.approx(chosen["one_se"])
+    with pytest.raises(BayesifyError, match="val_loader"):
+        fit(bayesify(mlp(), "swag", scale_method="val_nll", snapshot_every_steps=1), loader,
+            progress=False)
+    with pytest.raises(BayesifyError, match="scale_grid"):
+        bayesify(mlp(), "swag", scale_grid=(10.0, 1.0, 3))

@@ -19,6 +19,18 @@ class SWAGConfig(MethodConfig):
     scale: float | None = option(
         None, "Covariance scale of the samples; None: 0.5 for 'swag', 1.0 for 'diag'."
     )
+    scale_method: str = option(
+        "fixed", "'fixed' (use scale) or 'val_nll': choose the scale from scale_grid by the "
+        "validation NLL of the predictive on fit(val_loader=...) (rule: val_rule)."
+    )
+    scale_grid: tuple[float, float, int] = option(
+        (0.1, 1000.0, 13), "(low, high, count): log-spaced scale grid of scale_method='val_nll'."
+    )
+    val_rule: str = option(
+        "min", "val_nll choice: 'min' (lowest validation NLL) or 'one_se' (the broadest "
+        "posterior, i.e. largest scale, whose validation NLL is within one standard error of "
+        "the lowest — the one-standard-error rule, as in the Laplace family)."
+    )
     lr: float = option(0.01, "SGD learning rate of the collection run (fit(lr=...) overrides it).")
     lr_schedule: str = option(
         "constant", "'constant', or 'cyclic': linear decay lr → lr_min within every snapshot "
@@ -54,6 +66,14 @@ class SWAGConfig(MethodConfig):
         require(isinstance(self.max_rank, int) and self.max_rank >= 2,
                 f"max_rank must be an integer >= 2, got {self.max_rank!r}")
         require(self.scale is None or self.scale >= 0, f"scale must be >= 0, got {self.scale}")
+        require(self.scale_method in ("fixed", "val_nll"),
+                f"scale_method must be 'fixed' or 'val_nll', got {self.scale_method!r}")
+        low, high, count = self.scale_grid
+        require(0 < low < high and int(count) >= 2,
+                f"scale_grid must be (low, high, count) with 0 < low < high, count >= 2; "
+                f"got {self.scale_grid!r}")
+        require(self.val_rule in ("min", "one_se"),
+                f"val_rule must be 'min' or 'one_se', got {self.val_rule!r}")
         require(self.lr >= 0, f"lr must be >= 0, got {self.lr}")
         require(self.lr_schedule in ("constant", "cyclic"),
                 f"lr_schedule must be 'constant' or 'cyclic', got {self.lr_schedule!r}")
