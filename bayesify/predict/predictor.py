@@ -152,7 +152,7 @@ class EnsemblePredictor(BasePredictor):
 
     def __init__(
         self,
-        bnn: "BayesianModel",
+        bnn: BayesianModel,
         samples_per_component: int | None = None,
         *,
         max_rows: int = 4096,

@@ -8,27 +8,14 @@ diagonal Gaussians over the input channels. Equivalent to the stochastic weight
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bayesify.core.context import SamplingContext
+from bayesify.core.gaussian import gaussian_kl, inverse_softplus
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
 from bayesify.methods.ibnn.config import IBNNConfig
-
-
-def inverse_softplus(value: torch.Tensor) -> torch.Tensor:
-    """ρ with softplus(ρ) = value (value > 0)."""
-    value = value.clamp_min(1e-8)
-    return value + torch.log(-torch.expm1(-value))
-
-
-def gaussian_kl(mu_q: torch.Tensor, var_q: torch.Tensor, mu_p: float, std_p: float) -> torch.Tensor:
-    """KL(N(μq, σq²) ‖ N(μp, σp²)) elementwise."""
-    var_p = std_p**2
-    return 0.5 * (math.log(var_p) - torch.log(var_q) + (var_q + (mu_q - mu_p) ** 2) / var_p - 1.0)
 
 
 class NodeNoiseLayer(BayesianLayer):
@@ -51,7 +38,7 @@ class NodeNoiseLayer(BayesianLayer):
             mean = mean + config.init_mean_std * torch.randn(k, c, **factory)
         std0 = (config.init_std[0] + config.init_std[1] * torch.randn(k, c, **factory)).abs()
         self.mean = nn.Parameter(mean)
-        self.rho = nn.Parameter(inverse_softplus(std0), requires_grad=config.learn_std)
+        self.rho = nn.Parameter(inverse_softplus(std0, floor=1e-8), requires_grad=config.learn_std)
 
     @property
     def std(self) -> torch.Tensor:

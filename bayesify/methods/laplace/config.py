@@ -14,7 +14,7 @@ PRIOR_METHODS = ("marglik", "val_nll", "fixed")
 
 @dataclass(frozen=True)
 class LaplaceConfig(MethodConfig):
-    targets: Any = option(  # noqa: RUF009 - same field as the base config, new default
+    targets: Any = option(
         "last_layer", "Layers under the posterior: 'last_layer' (default; kron/diag/full) or any "
         "subnetwork ('all', 'last:K', names) with structure='diag'."
     )

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bayesify.core.context import SamplingContext
+from bayesify.core.gaussian import inverse_softplus
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis
 from bayesify.methods.meanfield.config import MeanFieldConfig
 from bayesify.methods.meanfield.functional import (
@@ -29,7 +30,7 @@ from bayesify.methods.meanfield.functional import (
     member_normal,
     member_rows,
 )
-from bayesify.methods.meanfield.priors import WeightPrior, inverse_softplus
+from bayesify.methods.meanfield.priors import WeightPrior
 
 #: keeps sqrt(var) differentiable where an input row is exactly zero (ReLU, padding)
 _VAR_EPS = 1e-16

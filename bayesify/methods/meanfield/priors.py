@@ -22,12 +22,6 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 PRIORS = ("gaussian", "pretrained", "scale_mixture")
 
 
-def inverse_softplus(value: torch.Tensor) -> torch.Tensor:
-    """ρ with ``softplus(ρ) = value`` (value > 0; tiny values are floored at 1e-30)."""
-    value = value.clamp_min(1e-30)
-    # log(expm1(v)) written so that it neither overflows for large v nor loses small v
-    return value + torch.log(-torch.expm1(-value))
-
 
 def gaussian_log_prob(w: torch.Tensor, mean: torch.Tensor | float, std: torch.Tensor | float) -> torch.Tensor:
     """Elementwise ``log N(w; mean, std²)``."""

@@ -12,29 +12,18 @@ BNN (Dusenberry et al. 2020) puts Gaussians ``N(μ, softplus(ρ)²)`` on r and s
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bayesify.core.context import SamplingContext
+from bayesify.core.gaussian import gaussian_kl, inverse_softplus
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
 from bayesify.errors import BayesifyError
 
 INIT_CHOICES = ("random_sign", "normal", "ones")
 
 
-def inverse_softplus(value: torch.Tensor) -> torch.Tensor:
-    """ρ with softplus(ρ) = value (value > 0)."""
-    value = value.clamp_min(1e-8)
-    return value + torch.log(-torch.expm1(-value))
-
-
-def gaussian_kl(mu_q: torch.Tensor, var_q: torch.Tensor, mu_p: float, std_p: float) -> torch.Tensor:
-    """KL(N(μq, σq²) ‖ N(μp, σp²)) elementwise."""
-    var_p = std_p**2
-    return 0.5 * (math.log(var_p) - torch.log(var_q) + (var_q + (mu_q - mu_p) ** 2) / var_p - 1.0)
 
 
 def init_factor(shape: tuple[int, int], *, init: str, sign_prob: float, std: float,
