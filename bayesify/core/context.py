@@ -18,6 +18,24 @@ import torch
 from bayesify.errors import BayesifyError
 
 
+def expand_plan_rows(index: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+    """A plan's per-row index ``[R]`` stretched to a layer that sees ``rows`` rows.
+
+    A parent that reshapes its batch batch-major (e.g. window attention,
+    ``[B·W, ...]``) repeats every planned row ``rows / R`` times.
+    """
+    planned = index.shape[0]
+    if rows == planned:
+        return index.to(device)
+    if rows % planned == 0:
+        return index.to(device).repeat_interleave(rows // planned)
+    raise BayesifyError(
+        f"a wrapped layer received {rows} rows but the sampling plan has {planned}; "
+        "the model reshapes its batch in a way bayesify cannot follow — exclude "
+        "this layer with exclude=[...]"
+    )
+
+
 @dataclass
 class SamplingPlan:
     """Row → component assignment for one forward pass.
@@ -82,18 +100,6 @@ class SamplingContext:
     def deterministic(self) -> bool:
         return self.force_deterministic or self.plan.deterministic
 
-    def _rows(self, index: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
-        planned = index.shape[0]
-        if rows == planned:
-            return index.to(device)
-        if rows % planned == 0:
-            return index.to(device).repeat_interleave(rows // planned)
-        raise BayesifyError(
-            f"a wrapped layer received {rows} rows but the sampling plan has {planned}; "
-            "the model reshapes its batch in a way bayesify cannot follow — exclude "
-            "this layer with exclude=[...]"
-        )
-
     def components_for(self, rows: int, device: torch.device) -> torch.Tensor:
         """``[rows]`` component index per row of a layer's input.
 
@@ -104,7 +110,7 @@ class SamplingContext:
         comp = self.plan.component
         if comp is None:
             return torch.arange(rows, device=device) % self.components
-        return self._rows(comp, rows, device)
+        return expand_plan_rows(comp, rows, device)
 
     def draw(
         self,
@@ -132,4 +138,4 @@ class SamplingContext:
             generator = torch.Generator(device=device)
             generator.manual_seed((plan.seed * 1_000_003 + layer_id * 7_919) % (2**62))
         noise = (torch.rand if uniform else torch.randn)(shape, device=device, generator=generator)
-        return noise.index_select(0, self._rows(plan.member, rows, device))
+        return noise.index_select(0, expand_plan_rows(plan.member, rows, device))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.context import SamplingContext
+from bayesify.core.context import SamplingContext, expand_plan_rows
 from bayesify.core.method import Method, logits_of, tile
 from bayesify.errors import BayesifyError
 
@@ -71,7 +71,7 @@ class FrozenNoiseContext(SamplingContext):
                           num_members=plan.num_members, seed=plan.seed):
                 table = super().draw(layer_id, plan.num_members, tail, device, uniform=uniform)
             self.tables[key] = table
-        return table.index_select(0, self._rows(plan.member, rows, device))
+        return table.index_select(0, expand_plan_rows(plan.member, rows, device))
 
 
 class FrozenNoiseMembers(nn.Module):

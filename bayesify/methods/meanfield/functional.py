@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bayesify.core.context import SamplingContext
+from bayesify.core.context import SamplingContext, expand_plan_rows
 from bayesify.errors import BayesifyError
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -57,24 +57,6 @@ def apply_layer(
             padding = 0
         return conv(x, weight, bias, module.stride, padding, module.dilation, module.groups)
     raise TypeError(f"no weight-space operation for {type(module).__name__}")
-
-
-def expand_plan_rows(index: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
-    """A plan's per-row index stretched to a layer that sees ``rows`` rows.
-
-    Mirrors :class:`SamplingContext`: a parent that reshapes batch-major
-    (``[B·W, ...]``) repeats every planned row ``rows / planned`` times.
-    """
-    planned = index.shape[0]
-    if rows == planned:
-        return index.to(device)
-    if rows % planned == 0:
-        return index.to(device).repeat_interleave(rows // planned)
-    raise BayesifyError(
-        f"a wrapped layer received {rows} rows but the sampling plan has {planned}; "
-        "the model reshapes its batch in a way bayesify cannot follow — exclude "
-        "this layer with exclude=[...]"
-    )
 
 
 def member_rows(
