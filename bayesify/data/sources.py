@@ -96,7 +96,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         except Exception as err:
             raise BayesifyError(f"cannot read {path} as a weights-only torch checkpoint "
                                 f"(pickled objects are refused): {err}") from err
-    for key in ("state_dict", "model", "model_state_dict"):
+    for key in ("state_dict", "model", "model_state_dict", "module"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -19,7 +19,6 @@ only after the new one is committed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify.errors import BayesifyError
+from bayesify.persistence import fingerprint
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -132,13 +132,8 @@ def base_fingerprint(bnn: BayesianModel) -> str:
     Trainable base tensors are saved in the checkpoint itself; the frozen ones
     are not, so resuming on a different pretrained network must be refused.
     """
-    h = hashlib.sha256()
-    for name, p in bnn.named_base_parameters():
-        if p.requires_grad:
-            continue
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:32]
+    frozen = {name: p for name, p in bnn.named_base_parameters() if not p.requires_grad}
+    return fingerprint(frozen)[:32]
 
 
 def identity(bnn: BayesianModel) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bayesify.data.sources import read_state_dict
 from bayesify.errors import BayesifyError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -49,35 +50,6 @@ def parse_model_spec(spec: str) -> tuple[str, str]:
             "'timm:resnet50' or 'torchvision:resnet50'"
         )
     return source, name
-
-
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Weights from ``.safetensors`` or a ``torch.save`` file (``weights_only=True``).
-
-    Accepts a bare state dict or one nested under ``state_dict`` / ``model`` /
-    ``module`` (common training-script layouts) and strips a DDP ``module.``
-    prefix.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise BayesifyError(f"checkpoint {str(path)!r} does not exist")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state: Any = load_file(str(path))
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # any reader failure means a bad file
-        raise BayesifyError(f"cannot read weights from {str(path)!r}: {err}") from err
-    for key in ("state_dict", "model", "module"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise BayesifyError(f"{str(path)!r} does not hold a state dict of tensors")
-    if state and all(k.startswith("module.") for k in state):
-        state = {k[len("module."):]: v for k, v in state.items()}
-    return state
 
 
 def load_model(
