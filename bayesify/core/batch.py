@@ -1,0 +1,188 @@
+"""One batch convention for every entry point (fit, predictor, calibrate, evaluate,
+acquisition, report, export).
+
+A loader may yield
+
+- a tensor ``x`` (inputs only);
+- a pair ``(x, y)``;
+- a mapping (Hugging Face style): the label under ``labels`` (or ``label``),
+  every other entry passed to the model as a keyword argument;
+- anything else, when the caller passes ``batch_fn(batch) -> (inputs, labels)``
+  where ``inputs`` is a tensor, a tuple of positional inputs or a mapping of
+  keyword inputs and ``labels`` a tensor or ``None``.
+
+Longer tuples ``(x1, x2, y)`` are refused unless a ``batch_fn`` says how to split
+them: guessing which entry is the label silently trains on an attention mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from bayesify.errors import BayesifyError
+
+LABEL_KEYS = ("labels", "label")
+BatchFn = Callable[[Any], tuple[Any, Any]]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Model inputs (``args``/``kwargs``) and labels ``[B]`` (or ``None``) of one batch."""
+
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    labels: torch.Tensor | None = None
+
+    # -- shape -----------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        return [v for v in (*self.args, *self.kwargs.values()) if isinstance(v, torch.Tensor)]
+
+    @property
+    def size(self) -> int:
+        """Rows B: the leading size of the first input tensor."""
+        for t in self.tensors():
+            if t.dim() > 0:
+                return int(t.shape[0])
+        raise BayesifyError("the batch holds no input tensor with a batch dimension")
+
+    @property
+    def device(self) -> torch.device:
+        for t in self.tensors():
+            return t.device
+        return torch.device("cpu")
+
+    # -- transforms ------------------------------------------------------------------
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor], *, labels: bool = True) -> Batch:
+        """Apply ``fn`` to every input tensor with the batch's leading size (and the labels)."""
+        rows = self.size
+
+        def apply(v: Any) -> Any:
+            return fn(v) if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows else v
+
+        return Batch(tuple(apply(a) for a in self.args), {k: apply(v) for k, v in self.kwargs.items()},
+                     fn(self.labels) if labels and self.labels is not None else self.labels)
+
+    def to(self, device: torch.device | str, *, channels_last: bool = False,
+           non_blocking: bool = False) -> Batch:
+        def move(v: Any) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            v = v.to(device, non_blocking=non_blocking)
+            if channels_last and v.dim() == 4 and v.is_floating_point():
+                v = v.contiguous(memory_format=torch.channels_last)
+            return v
+
+        return Batch(tuple(move(a) for a in self.args), {k: move(v) for k, v in self.kwargs.items()},
+                     None if self.labels is None else self.labels.to(device, non_blocking=non_blocking))
+
+    def tile(self, reps: int) -> Batch:
+        """``[B, ...]`` → ``[reps·B, ...]`` in blocks (row ``r`` is example ``r % B``), labels too."""
+        if reps == 1:
+            return self
+        return self.map(lambda t: t.repeat(reps, *([1] * (t.dim() - 1))))
+
+    def rows(self, index: slice | torch.Tensor) -> Batch:
+        return self.map(lambda t: t[index])
+
+    def inputs_only(self) -> Batch:
+        return Batch(self.args, self.kwargs, None)
+
+    # -- calling -----------------------------------------------------------------------
+    def call(self, model: nn.Module | Callable[..., Any]) -> Any:
+        return model(*self.args, **self.kwargs)
+
+    def require_labels(self, where: str) -> torch.Tensor:
+        if self.labels is None:
+            raise BayesifyError(
+                f"{where} needs labels, but the batch has none: yield (x, y) pairs, a mapping "
+                f"with a 'labels' entry, or pass batch_fn=... returning (inputs, labels)"
+            )
+        return self.labels
+
+
+def _check_labels(labels: Any) -> torch.Tensor | None:
+    if labels is None:
+        return None
+    if not isinstance(labels, torch.Tensor):
+        labels = torch.as_tensor(labels)
+    return labels
+
+
+def _as_batch(inputs: Any, labels: Any) -> Batch:
+    if isinstance(inputs, Batch):
+        return Batch(inputs.args, inputs.kwargs, _check_labels(labels))
+    if isinstance(inputs, Mapping):
+        return Batch((), dict(inputs), _check_labels(labels))
+    if isinstance(inputs, (tuple, list)):
+        return Batch(tuple(inputs), {}, _check_labels(labels))
+    return Batch((inputs,), {}, _check_labels(labels))
+
+
+def split_batch(batch: Any, batch_fn: BatchFn | None = None) -> Batch:
+    """The :class:`Batch` of whatever a loader yielded (see the module docstring)."""
+    if isinstance(batch, Batch):
+        return batch
+    if batch_fn is not None:
+        out = batch_fn(batch)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise BayesifyError(
+                f"batch_fn must return (inputs, labels); it returned a {type(out).__name__}"
+            )
+        return _as_batch(out[0], out[1])
+    if isinstance(batch, torch.Tensor):
+        return Batch((batch,), {}, None)
+    if isinstance(batch, Mapping):
+        inputs = dict(batch)
+        labels = None
+        for key in LABEL_KEYS:
+            if key in inputs:
+                labels = inputs.pop(key)
+                break
+        if not inputs:
+            raise BayesifyError(f"the batch mapping holds only labels ({sorted(batch)}); "
+                                "no model inputs are left")
+        return Batch((), inputs, _check_labels(labels))
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 1:
+            return Batch((batch[0],), {}, None)
+        if len(batch) == 2:
+            return _as_batch(batch[0], batch[1])
+        raise BayesifyError(
+            f"the loader yields tuples of {len(batch)} items; bayesify takes (x, y) pairs or "
+            "mappings with 'labels'. Say how to split longer tuples with batch_fn=..., e.g. "
+            "batch_fn=lambda b: ({'input_ids': b[0], 'attention_mask': b[1]}, b[2])"
+        )
+    raise BayesifyError(
+        f"cannot read a batch of type {type(batch).__name__}; yield a tensor, (x, y), a mapping "
+        "with 'labels', or pass batch_fn=... returning (inputs, labels)"
+    )
+
+
+def as_inputs(*args: Any, **kwargs: Any) -> Batch:
+    """A :class:`Batch` from a call ``predictor(x)``, ``predictor(**inputs)``,
+    ``predictor(mapping)`` or ``predictor(batch)`` (labels in a mapping are dropped)."""
+    if not args and kwargs:
+        return Batch((), dict(kwargs), None)
+    if len(args) == 1 and not kwargs:
+        arg = args[0]
+        if isinstance(arg, Batch):
+            return arg.inputs_only()
+        if isinstance(arg, Mapping):
+            return split_batch(arg).inputs_only()
+        if isinstance(arg, torch.Tensor):
+            return Batch((arg,), {}, None)
+    return Batch(tuple(args), dict(kwargs), None)
+
+
+def iter_batches(loader: Any, *, device: torch.device | str | None = None,
+                 batch_fn: BatchFn | None = None, channels_last: bool = False):
+    """:class:`Batch` objects of ``loader``, moved to ``device``."""
+    for raw in loader:
+        batch = split_batch(raw, batch_fn)
+        yield batch if device is None else batch.to(device, channels_last=channels_last,
+                                                    non_blocking=True)
