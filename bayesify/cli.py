@@ -277,7 +277,7 @@ def _add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_evaluate(args: argparse.Namespace) -> int:
     from bayesify import metrics
-    from bayesify.predict.prediction import Prediction
+    from bayesify.core.prediction import Prediction
 
     model, bundle, spec = _resolve(args)
     predictor = _predictor(args, model)

@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from bayesify import bayesify, fit
 from bayesify.core.member_bn import MemberBatchNorm
 from bayesify.methods.ensemble.layers import EnsembleLayer
-from bayesify.methods.rank1.layers import gaussian_kl
-from bayesify.train.loop import build_optimizer
+from bayesify.core.rank_one import gaussian_kl
+from bayesify.train.steps import build_optimizer
 
 
 class Net(nn.Module):

@@ -17,7 +17,7 @@ import torch
 
 from bayesify import metrics
 from bayesify.errors import BayesifyError
-from bayesify.predict.prediction import Prediction
+from bayesify.core.prediction import Prediction
 from bayesify.predict.predictor import BasePredictor, EnsemblePredictor, ModelPredictor
 
 

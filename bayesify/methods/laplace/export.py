@@ -133,7 +133,7 @@ def _last_layer_tensors(posterior: object, structure: str, link: str, tau: torch
 def export_laplace(method: LaplaceMethod, bnn: BayesianModel, *, samples_per_component: int,
                    seed: int, example_input: torch.Tensor, deterministic: bool) -> nn.Module:
     """The plain ``x → [M, B, C]`` module of ``method``'s predictive (see module docstring)."""
-    from bayesify.predict.export import StackedModels
+    from bayesify.core.stacked import StackedModels
 
     if deterministic or method.train_loss is None:  # in process: the MAP network alone
         return StackedModels([bnn.unwrap()])

@@ -20,14 +20,15 @@ class SWAGConfig(MethodConfig):
         None, "Covariance scale of the samples; None: 0.5 for 'swag', 1.0 for 'diag'."
     )
     scale_method: str = option(
-        "fixed", "'fixed' (use scale) or 'val_nll': choose the scale from scale_grid by the "
-        "validation NLL of the predictive on fit(val_loader=...) (rule: val_rule)."
+        "auto", "'auto' ('val_nll' when fit gets a val_loader, else 'fixed'), 'fixed' (use "
+        "scale) or 'val_nll': choose the scale from scale_grid by the validation NLL of the "
+        "predictive on fit(val_loader=...) (rule: val_rule)."
     )
     scale_grid: tuple[float, float, int] = option(
         (0.1, 1000.0, 13), "(low, high, count): log-spaced scale grid of scale_method='val_nll'."
     )
     val_rule: str = option(
-        "min", "val_nll choice: 'min' (lowest validation NLL) or 'one_se' (the broadest "
+        "one_se", "val_nll choice: 'min' (lowest validation NLL) or 'one_se' (the broadest "
         "posterior, i.e. largest scale, whose validation NLL is within one standard error of "
         "the lowest — the one-standard-error rule, as in the Laplace family)."
     )
@@ -66,8 +67,8 @@ class SWAGConfig(MethodConfig):
         require(isinstance(self.max_rank, int) and self.max_rank >= 2,
                 f"max_rank must be an integer >= 2, got {self.max_rank!r}")
         require(self.scale is None or self.scale >= 0, f"scale must be >= 0, got {self.scale}")
-        require(self.scale_method in ("fixed", "val_nll"),
-                f"scale_method must be 'fixed' or 'val_nll', got {self.scale_method!r}")
+        require(self.scale_method in ("auto", "fixed", "val_nll"),
+                f"scale_method must be 'auto', 'fixed' or 'val_nll', got {self.scale_method!r}")
         low, high, count = self.scale_grid
         require(0 < low < high and int(count) >= 2,
                 f"scale_grid must be (low, high, count) with 0 < low < high, count >= 2; "
