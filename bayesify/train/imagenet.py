@@ -5,9 +5,9 @@
   field of *that* family (generated from ``config_cls.describe()``: default and
   one-line help); :func:`family_options` turns the parsed flags into config
   keyword arguments and :func:`check_family_options` validates them before any
-  work. A field whose flag collides with a trainer flag is named
-  ``--<family>-<field>`` (e.g. SWAG's own SGD rate ``--swag-lr``, next to the
-  trainer's ``--lr``).
+  work. A field named like a ``bayesify.fit`` keyword or a flag of the parser is
+  named ``--<family>-<field>`` (e.g. SWAG's own SGD rate ``--swag-lr``, next to
+  the trainer's ``--lr``), the same in the CLI and the script.
 - :func:`image_folder_loaders`: ``DIR/train`` (shuffled) and ``DIR/val`` loaders
   for a checked :class:`~bayesify.data.sources.BatchPlan`.
 - :func:`save_posterior_files`: the posterior plus a ``run.json``.
@@ -46,6 +46,18 @@ def family_flag(method: str, name: str, taken: set[str] | frozenset[str]) -> str
     return f"--{method}-{name.replace('_', '-')}" if flag in taken else flag
 
 
+def trainer_flags() -> frozenset[str]:
+    """``--name`` of every keyword of ``bayesify.fit``: a family field with such a name is
+    renamed ``--<family>-<name>`` in the CLI and the script alike (e.g. ``--swag-lr``)."""
+    import inspect
+
+    from bayesify.train.loop import fit
+
+    return frozenset("--" + name.replace("_", "-")
+                     for name, p in inspect.signature(fit).parameters.items()
+                     if p.kind is p.KEYWORD_ONLY)
+
+
 def _value(text: str) -> Any:
     """A command-line value: JSON when it parses (numbers, true/false, null), else text."""
     try:
@@ -71,7 +83,7 @@ def add_family_options(parser: argparse.ArgumentParser, method: str, *,
     from bayesify.core.registry import get_method_class
 
     cls = get_method_class(method).config_cls
-    taken = frozenset(parser._option_string_actions)
+    taken = frozenset(parser._option_string_actions) | trainer_flags()
     group = parser.add_argument_group(
         f"options of --method {method} ({cls.__name__}; unset = the default shown)")
     flags: dict[str, str] = {}
@@ -79,8 +91,8 @@ def add_family_options(parser: argparse.ArgumentParser, method: str, *,
         flag = family_flag(method, name, taken)
         text = f"{help_text or name} (default: {_show(default)})"
         if flag != "--" + name.replace("_", "-"):
-            text += (f" [config field {name!r}; --{name.replace('_', '-')} is the trainer's "
-                     "flag]")
+            text += (f" [config field {name!r}, prefixed: --{name.replace('_', '-')} is a "
+                     "trainer option]")
         kwargs: dict[str, Any] = {"dest": FAMILY_DEST + name, "default": argparse.SUPPRESS,
                                   "help": text if show else argparse.SUPPRESS}
         if isinstance(default, bool):
