@@ -394,6 +394,7 @@ def build_parser(fit_method: str = "ibnn", *, show_family: bool = False) -> argp
     for name, (help_text, add_arguments, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == "fit":
+            p.usage = "bayesify fit [--data DATA] [--model MODEL] [--method NAME] [options]"
             _add_fit_arguments(p, method=fit_method, show_family=show_family)
         else:
             add_arguments(p)

@@ -57,6 +57,7 @@ def build_parser(method: str = "ibnn", *, show_family: bool = True) -> argparse.
     """Common flags plus the options of ``method`` (shown in ``--help`` when ``show_family``)."""
     p = argparse.ArgumentParser(
         prog=PROG,
+        usage=f"{PROG} --model SOURCE:NAME --data DIR --out DIR [--method NAME] [options]",
         description="Bayesify a pretrained ImageNet model and fine-tune its posterior "
                     "(launch with torchrun for data parallelism).",
         epilog=families_epilog(PROG) + " The final evaluation uses the family's prediction "
