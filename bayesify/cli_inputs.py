@@ -177,6 +177,8 @@ def resolve(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     checkpoint = args.checkpoint
     if checkpoint is None and run_dir is not None and (run_dir / BASE_FILE).is_file():
         checkpoint = str(run_dir / BASE_FILE)
+    elif checkpoint is None and not args.pretrained:
+        checkpoint = run.get("checkpoint")  # a posterior/ of examples/finetune_imagenet.py
     classes = sources.data_classes(spec["data"])
     channels, _ = sources.model_input(spec["model"], spec["data"], spec["image_size"])
     where = f"--data {spec['data']} ({len(classes)} classes)"

@@ -284,7 +284,13 @@ def main(argv: list[str] | None = None) -> dict:
     )
     final = _final_metrics(bnn, result.history, val_loader, args, ctx, amp, channels_last)
     if ctx.is_main:
-        written = _write_posterior(bnn, out, {"model": args.model, "classes": classes})
+        # run.json lets `bayesify calibrate/evaluate/export --posterior OUT/posterior` rebuild
+        # the base model and the data without repeating the flags
+        run = {"model": args.model, "classes": classes, "data": str(Path(args.data).resolve()),
+               "image_size": args.image_size, "pretrained": args.pretrained,
+               "checkpoint": (str(Path(args.checkpoint).resolve()) if args.checkpoint
+                              else None), "method": args.method}
+        written = _write_posterior(bnn, out, run)
         (out / "final_metrics.json").write_text(json.dumps(final, indent=2))
         written += [out / "args.json", out / "history.jsonl", out / "final_metrics.json",
                     *list_checkpoints(out / "checkpoints")]
