@@ -78,10 +78,14 @@ def test_swag_batchnorm_statistics_are_posterior_state():
     assert "1.member_mean" in names and "bayesify.swag_scale" in names
 
 
-def test_swag_refuses_a_posterior_without_spread():
-    bnn = bayesify(W.base_model(), "swag")  # one snapshot per epoch, one epoch
+def test_swag_default_snapshots_span_the_run_and_refuse_no_spread():
+    bnn = bayesify(W.base_model(), "swag")  # defaults: snapshots spread over the run
+    result = fit(bnn, loaders(batch=8)[0], epochs=2, progress=False)  # 24 steps
+    assert result.last["snapshots"] == 24 // 1 and result.last["rank"] == 20
+    x, y = W.data(8)
+    one_step = DataLoader(TensorDataset(x, y), batch_size=8)
     with pytest.raises(BayesifyError, match="at least 2"):
-        fit(bnn, loaders()[0], progress=False)
+        fit(bayesify(W.base_model(), "swag"), one_step, progress=False)
 
 
 def test_swag_checkpoints_and_resume(tmp_path):

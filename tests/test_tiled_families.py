@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import bayesify, fit
 from bayesify.core.member_bn import MemberBatchNorm
-from bayesify.methods.ensemble.layers import EnsembleLayer
 from bayesify.core.rank_one import gaussian_kl
+from bayesify.methods.ensemble.layers import EnsembleLayer
 from bayesify.train.steps import build_optimizer
 
 

@@ -244,12 +244,11 @@ class BayesianModel(nn.Module):
         Its ``state_dict`` equals the original's bit for bit (unless base weights
         were fine-tuned); ``requires_grad`` flags are restored.
         """
+        from bayesify.core.walker import replace_modules
+
         model = copy.deepcopy(self.model)
-        for name, module in list(model.named_modules()):
-            if isinstance(module, BayesianLayer):
-                parent_name, _, attr = name.rpartition(".")
-                parent = model.get_submodule(parent_name) if parent_name else model
-                setattr(parent, attr, module.base_layer)
+        replace_modules(model, {name: module.base_layer for name, module in model.named_modules()
+                                if isinstance(module, BayesianLayer)})
         for name, p in model.named_parameters():
             p.requires_grad_(self._base_requires_grad.get(name, True))
         return model

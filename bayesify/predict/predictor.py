@@ -9,8 +9,8 @@ import torch
 
 from bayesify import metrics
 from bayesify.core.batch import as_inputs, iter_batches
-from bayesify.errors import BayesifyError
 from bayesify.core.prediction import Prediction
+from bayesify.errors import BayesifyError
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel

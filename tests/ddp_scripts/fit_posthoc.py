@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 torch.set_num_threads(1)
 
-from bayesify import bayesify, fit  # noqa: E402
-from bayesify.train import cleanup_distributed, setup_distributed  # noqa: E402
+from bayesify import bayesify, fit
+from bayesify.train import cleanup_distributed, setup_distributed
 
 GLOBAL_BATCH = 32
 

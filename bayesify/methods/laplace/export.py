@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from bayesify.core.method import logits_of
+from bayesify.core.walker import replace_modules
 from bayesify.errors import BayesifyError
 from bayesify.methods.laplace import posterior as post
 from bayesify.methods.laplace.curvature import augmented_features
@@ -58,8 +59,7 @@ def _unwrapped_with_tap(bnn: BayesianModel, name: str) -> tuple[nn.Module, Featu
     tap = FeatureTap(linear)
     if not name:
         return tap, tap
-    parent_name, _, attr = name.rpartition(".")
-    setattr(net.get_submodule(parent_name) if parent_name else net, attr, tap)
+    replace_modules(net, {name: tap})
     return net, tap
 
 

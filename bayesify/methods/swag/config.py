@@ -40,8 +40,9 @@ class SWAGConfig(MethodConfig):
     lr_min: float = option(0.0, "Lowest learning rate of the cyclic schedule.")
     momentum: float = option(0.9, "SGD momentum of the collection run.")
     weight_decay: float = option(5e-4, "SGD weight decay of the collection run.")
-    snapshot_every: float = option(
-        1.0, "Snapshot period in epochs; fractions of an epoch are allowed (e.g. 0.25)."
+    snapshot_every: float | None = option(
+        None, "Snapshot period in epochs; fractions of an epoch are allowed (e.g. 0.25). "
+        "None: spread max_rank snapshots evenly over the whole run (at least 2 steps needed)."
     )
     snapshot_every_steps: int = option(
         0, "Snapshot every k SGD steps instead of per epoch fraction (0: use snapshot_every)."
@@ -80,7 +81,8 @@ class SWAGConfig(MethodConfig):
                 f"lr_schedule must be 'constant' or 'cyclic', got {self.lr_schedule!r}")
         require(0 <= self.momentum < 1, f"momentum must lie in [0, 1), got {self.momentum}")
         require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
-        require(self.snapshot_every > 0, f"snapshot_every must be > 0, got {self.snapshot_every}")
+        require(self.snapshot_every is None or self.snapshot_every > 0,
+                f"snapshot_every must be None or > 0, got {self.snapshot_every}")
         require(isinstance(self.snapshot_every_steps, int) and self.snapshot_every_steps >= 0,
                 f"snapshot_every_steps must be an integer >= 0, got {self.snapshot_every_steps!r}")
         require(0 <= self.bn_update_fraction <= 1,

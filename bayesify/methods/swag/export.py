@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from bayesify.methods.swag import posterior as post
-
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
     from bayesify.methods.swag.method import SWAGMethod

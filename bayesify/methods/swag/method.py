@@ -90,8 +90,13 @@ class SWAGMethod(Method):
     # -- the snapshot step ------------------------------------------------------------
     def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
         cfg: SWAGConfig = self.config
-        period = cfg.snapshot_every_steps or max(1, round(cfg.snapshot_every * max(steps_per_epoch, 1)))
         total = epochs * steps_per_epoch
+        if cfg.snapshot_every_steps:
+            period = cfg.snapshot_every_steps
+        elif cfg.snapshot_every is not None:
+            period = max(1, round(cfg.snapshot_every * max(steps_per_epoch, 1)))
+        else:  # max_rank snapshots spread over the run: the low-rank part is full at the end
+            period = max(1, total // cfg.max_rank) if total else max(1, steps_per_epoch)
         if cfg.variant != "swa" and total and total // period < 2:
             raise BayesifyError(
                 f"SWAG would collect {total // period} snapshot(s) in {epochs} epoch(s) × "
