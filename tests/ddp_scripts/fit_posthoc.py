@@ -55,10 +55,32 @@ def run(family: str, world: int) -> dict[str, torch.Tensor]:
     return out
 
 
+#: families whose fit draws no noise: 2 ranks must equal 1 process, not only each other
+NOISE_FREE = ("laplace", "swag", "batchensemble", "ensemble")
+
+
+def run_default(family: str, world: int) -> dict[str, torch.Tensor]:
+    """Every family with its defaults (2 epochs of 3 global batches, seeded order)."""
+    from bayesify import list_methods  # noqa: F401 - the registry is the test's parameter
+
+    x, y = data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=GLOBAL_BATCH // world, shuffle=True)
+    torch.manual_seed(11)  # identical posterior initialisation on every rank
+    bnn = bayesify(base_model(), family)
+    kw = {} if bnn.method.training == "curvature" else {"epochs": 2, "seed": 3, "n_train": 5000}
+    fit(bnn, loader, progress=False, **kw)
+    return {k: v.detach().clone() for k, v in bnn.posterior_tensors().items()}
+
+
 def main(out_dir: str) -> None:
+    from bayesify import list_methods
+
     ctx = setup_distributed(None, torch.device("cpu"))
     for family in ("laplace", "swag"):
         torch.save(run(family, ctx.world_size), Path(out_dir) / f"{family}_rank{ctx.rank}.pt")
+    for family in list_methods():
+        torch.save(run_default(family, ctx.world_size),
+                   Path(out_dir) / f"default_{family}_rank{ctx.rank}.pt")
     cleanup_distributed()
 
 
