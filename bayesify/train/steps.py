@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from bayesify.core.batch import Batch
 from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train.distributed import DistContext, all_reduce_mean
+from bayesify.train.loss import nll_and_kl
 from bayesify.train.schedules import beta_schedule, lr_factor
 
 if TYPE_CHECKING:
@@ -52,15 +52,7 @@ class TrainForward(nn.Module):
         inputs: Any = Batch(tuple(args), dict(kwargs), None)
         if not kwargs and len(args) == 1:
             inputs = args[0]  # a plain tensor keeps the tensor path of every family
-        with self.bnn.context.use(None, generator=self.generator):
-            logits, targets = self.bnn.training_forward(inputs, y)
-        nll = F.cross_entropy(logits.float(), targets)
-        if self.bnn.method.training == "elbo":
-            with torch.autocast(device_type=y.device.type, enabled=False):
-                kl = self.bnn.kl().float()  # KL stays in fp32 under AMP
-        else:
-            kl = torch.zeros((), device=nll.device)
-        return nll, kl
+        return nll_and_kl(self.bnn, inputs, y, self.generator)
 
 
 @dataclass
