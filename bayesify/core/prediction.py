@@ -146,6 +146,15 @@ class Prediction:
         return Prediction(mean=cat("mean"), variance=cat("variance"), link=first.link,
                           rowsum=cat("rowsum"), total=cat("total"))
 
+    def rows(self, index: torch.Tensor | slice) -> Prediction:
+        """The predictions of the examples ``index`` (along B)."""
+        if not self.is_gaussian:
+            return Prediction(self.member_logits_[:, index])
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+        return Prediction(mean=pick(self.mean), variance=pick(self.variance), link=self.link,
+                          rowsum=pick(self.rowsum), total=pick(self.total))
+
     def to(self, device: torch.device | str) -> Prediction:
         if not self.is_gaussian:
             return Prediction(self.member_logits_.to(device))
