@@ -19,17 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bayesify.errors import BayesifyError
+from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train.checkpoint import (
     FORMAT,
     VERSION,
     atomic_save,
     check_compatible,
     checkpoint_name,
+    content_checksum,
     identity,
-    load_checkpoint,
+    list_checkpoints,
+    load_resumable,
+    nonfinite_tensors,
     prune,
-    resolve_resume,
     rng_state,
     set_rng_state,
 )
@@ -60,12 +62,18 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def save(state: TrainState, run: Run) -> str:
-    """Write a checkpoint of ``state`` (collective: every rank must call it)."""
+    """Write a checkpoint of ``state`` (collective: every rank must call it).
+
+    The payload carries a content checksum (verified on load). A state holding
+    NaN/inf is never written: every rank raises :class:`NonFiniteLossError`
+    naming the tensors, and the newest checkpoint on disk stays the last finite one.
+    """
     assert run.directory is not None
     ctx = state.ctx
     assert state.noise_generator is not None
     rng = gather_objects(rng_state(state.noise_generator, ctx.device), ctx)
     error: str | None = None
+    nonfinite: list[str] = []
     cause: BaseException | None = None
     path = run.directory / checkpoint_name(state.epoch, state.global_step)
     if ctx.is_main:
@@ -86,11 +94,23 @@ def save(state: TrainState, run: Run) -> str:
                 "optimizer": state.optimizer.state_dict(),
                 "rng": rng,
             }
-            atomic_save(payload, path)
-            prune(run.directory, run.keep)
+            nonfinite = nonfinite_tensors(payload)
+            if not nonfinite:
+                payload["checksum"] = content_checksum(payload)
+                atomic_save(payload, path)
+                prune(run.directory, run.keep)
         except Exception as err:  # noqa: BLE001 - reported on every rank below, never half-written
             error, cause = f"{type(err).__name__}: {err}", err
-    error = broadcast_object(error, ctx)
+    error, nonfinite = broadcast_object((error, nonfinite), ctx)
+    if nonfinite:
+        kept = list_checkpoints(run.directory)
+        last = f"the newest checkpoint there, {kept[-1].name}, " if kept else "no earlier checkpoint "
+        raise NonFiniteLossError(
+            f"refusing to write checkpoint {str(path)!r} (epoch {state.epoch}, optimiser step "
+            f"{state.global_step}): the training state holds NaN/inf in {nonfinite[:5]}"
+            f"{'…' if len(nonfinite) > 5 else ''}; training diverged (lower the learning rate or "
+            f"check the inputs for NaN/inf). Nothing was written: {last}holds the last finite state"
+        )
     if error is not None:
         raise BayesifyError(
             f"writing checkpoint {str(path)!r} failed ({error}); earlier checkpoints in "
@@ -100,12 +120,12 @@ def save(state: TrainState, run: Run) -> str:
 
 
 def read_for_resume(resume: str | Path, ctx: DistContext) -> dict[str, Any]:
-    """Rank 0 reads and checks the file; every rank gets the payload (or the error)."""
+    """Rank 0 reads and verifies the checkpoint (falling back past damaged ones in a
+    directory); every rank gets the payload (or the error)."""
     box: dict[str, Any]
     if ctx.is_main:
         try:
-            path = resolve_resume(resume)
-            box = load_checkpoint(path)
+            path, box = load_resumable(resume)
             box["path"] = str(path)
         except BayesifyError as err:
             box = {"error": str(err)}
@@ -158,7 +178,7 @@ def restore(state: TrainState, payload: dict[str, Any], run: Run, *, path: str) 
         )
     states = payload.get("rng") or []
     if ctx.rank < len(states) and state.noise_generator is not None:
-        set_rng_state(states[ctx.rank], state.noise_generator, ctx.device)
+        set_rng_state(states[ctx.rank], state.noise_generator, ctx.device, path=path)
     state.epoch = int(meta["epoch"])
     state.step = int(meta["step"])
     state.global_step = int(meta["global_step"])
