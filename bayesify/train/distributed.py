@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import math
 import os
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,30 +124,47 @@ def is_collective_failure(err: BaseException) -> bool:
 
 
 def unresponsive_ranks(ctx: DistContext, *, wait_s: float = 10.0) -> list[int] | None:
-    """Ranks that do not reach a ``monitored_barrier`` within ``wait_s`` (gloo only).
+    """Ranks that do not check in on the process group's key-value store within ``wait_s``.
 
-    ``None`` when that cannot be found out (NCCL, no group, or rank 0 itself gone).
+    Called by every rank whose collective failed: each writes a key for this
+    failure and waits for the others' keys. A hung or dead rank never writes
+    its key. The store is used, not a collective: after a timeout the gloo
+    connections are closed. ``None`` when no store can be reached.
     """
     if not (ctx.distributed and dist.is_available() and dist.is_initialized()):
         return None
-    if dist.get_backend() != "gloo":
+    store = _default_store()
+    if store is None:
         return None
+    prefix = f"bayesify/checkin/{next(_FAILURES)}/"
     try:
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=wait_s), wait_all_ranks=True)
-    except RuntimeError as err:
-        text = str(err)
-        found = re.search(r"[Rr]anks? ([\d, ]+) failed to pass", text)
-        if found:
-            return sorted({int(r) for r in re.findall(r"\d+", found.group(1))})
-        if ctx.rank != 0:  # rank 0 did not answer this rank
-            return [0]
+        store.set(f"{prefix}{ctx.rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(ctx.world_size) if not store.check([f"{prefix}{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store itself is gone (rank 0 died): unknown
         return None
-    return []
+
+
+_FAILURES = itertools.count()
+
+
+def _default_store() -> Any:
+    # torch has no public accessor for the default group's store; fall back to
+    # "unknown" if this private one ever goes away
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def describe_collective_failure(err: BaseException, ctx: DistContext) -> BayesifyError:
     """A :class:`BayesifyError` naming the rank(s) that did not answer a collective."""
-    ranks = unresponsive_ranks(ctx, wait_s=min(ctx.timeout_s, 10.0))
+    ranks = unresponsive_ranks(ctx, wait_s=min(max(ctx.timeout_s, 1.0), 10.0))
     if ranks:
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
         what = f"{who} of {ctx.world_size} did not answer"
