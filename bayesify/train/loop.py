@@ -41,6 +41,7 @@ from bayesify.train.distributed import (
     rank_seed,
     setup_distributed,
 )
+from bayesify.train.options import validate_fit_options
 from bayesify.train.schedules import beta_schedule, lr_factor, parse_schedule
 
 if TYPE_CHECKING:
@@ -309,6 +310,7 @@ def fit(
     optional ``on_step_end(state, terms)`` / ``on_epoch_end(state, record)``
     (a plain callable is ``on_epoch_end``), called after the checkpoint is written.
     """
+    validate_fit_options(**locals())  # every option checked before anything changes
     from bayesify.train import resume as ckpt
 
     if epochs <= 0:
