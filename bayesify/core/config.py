@@ -9,7 +9,7 @@ Every config is also checked generically against its field types before the
 family's own ``validate`` runs (:func:`check_field_types`): a ``bool`` is not an
 ``int``, a string is not a number, floats must be finite, counts
 (``components``, ``*samples``) and prior scales (``prior*_std``,
-``prior_precision``) must be > 0, and tuples have the declared length and
+``prior_precision``, ``mixture_std*``) must be > 0, and tuples have the declared length and
 element types. Messages name the family and the option.
 """
 
@@ -112,7 +112,8 @@ def _is_count(name: str) -> bool:
 
 
 def _is_prior_scale(name: str) -> bool:
-    return name.startswith(("prior", "factor_prior")) and name.endswith(("_std", "precision"))
+    return (name.startswith(("prior", "factor_prior")) and name.endswith(("_std", "precision"))
+            or name.startswith("mixture_std"))
 
 
 def check_field_types(config: MethodConfig) -> None:
