@@ -234,7 +234,7 @@ def load_checkpoint(path: str | Path, *, hint: bool = True) -> dict[str, Any]:
 
     Verified before anything is returned: the file unpickles with
     ``weights_only=True``, format and version, the content checksum, readable
-    metadata and RNG records that a generator accepts.
+    metadata, RNG records that a generator accepts and a finite training state.
     """
     path = Path(path)
     earlier = [p.name for p in list_checkpoints(path.parent) if p != path] if hint else []
@@ -283,6 +283,10 @@ def load_checkpoint(path: str | Path, *, hint: bool = True) -> dict[str, Any]:
         if not isinstance(payload.get(key), dict):
             raise BayesifyError(f"checkpoint {str(path)!r} lacks its {key!r} section{tail}")
     check_rng_records(payload.get("rng"), path)
+    nonfinite = nonfinite_tensors(payload)
+    if nonfinite:  # never written by bayesify; refuse rather than train on NaN
+        raise BayesifyError(f"checkpoint {str(path)!r} holds NaN/inf in {nonfinite[:5]}; it is "
+                            f"not a state to resume from{tail}")
     return payload
 
 
