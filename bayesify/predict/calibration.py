@@ -66,8 +66,8 @@ def _collect(predictor: BasePredictor, loader: Iterable) -> tuple[torch.Tensor, 
         pass
     try:
         return predictor.collect(loader)
-    except RuntimeError as err:
-        if "non-empty" in str(err) or "expected a non-empty list" in str(err).lower():
+    except (RuntimeError, ValueError) as err:  # torch.cat([]) on an empty loader
+        if "non-empty" in str(err):
             raise BayesifyError("calibrate: the validation loader produced no batches; pass a "
                                 "loader with at least one labelled batch") from err
         raise
