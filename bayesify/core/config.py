@@ -85,7 +85,8 @@ class MethodConfig:
         try:
             return cls(**converted)
         except (BayesifyError, TypeError) as err:
-            raise type(err)(f"method {method!r}: {err}") from err
+            message = str(err).removeprefix(f"{cls.__name__}: ")
+            raise type(err)(f"method {method!r}: {message}") from err
 
     @classmethod
     def describe(cls) -> list[tuple[str, Any, str]]:
@@ -128,17 +129,15 @@ def check_field_types(config: MethodConfig) -> None:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         hint = hints.get(f.name, Any)
-        checked = _check_value(value, hint, f"{family} option {f.name!r}")
+        checked = _check_value(value, hint, f"{family}: {f.name}")
         if checked is not value:
             object.__setattr__(config, f.name, checked)
         if isinstance(checked, bool) or not isinstance(checked, Real):
             continue
         if _is_count(f.name) and checked <= 0:
-            raise BayesifyError(f"{family} option {f.name!r} must be a positive integer, "
-                                f"got {checked!r}")
+            raise BayesifyError(f"{family}: {f.name} must be a positive integer, got {checked!r}")
         if _is_prior_scale(f.name) and checked <= 0:
-            raise BayesifyError(f"{family} option {f.name!r} must be a finite number > 0, "
-                                f"got {checked!r}")
+            raise BayesifyError(f"{family}: {f.name} must be > 0, got {checked!r}")
 
 
 def _check_value(value: Any, hint: Any, label: str) -> Any:

@@ -67,9 +67,11 @@ def fraction(name: str, value: Any) -> None:
 def count(minimum: int) -> Callable[[str, Any], None]:
     """An integer >= ``minimum`` (not a bool, not a float)."""
 
+    what = "positive (an integer >= 1)" if minimum == 1 else f"an integer >= {minimum}"
+
     def check(name: str, value: Any) -> None:
-        if _integer(name, value, what=f"an integer >= {minimum}") < minimum:
-            raise BayesifyError(f"fit option {name} must be an integer >= {minimum}, got {value!r}")
+        if _integer(name, value, what=what) < minimum:
+            raise BayesifyError(f"fit option {name} must be {what}, got {value!r}")
 
     return check
 

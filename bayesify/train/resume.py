@@ -74,6 +74,7 @@ def save(state: TrainState, run: Run) -> str:
     rng = gather_objects(rng_state(state.noise_generator, ctx.device), ctx)
     error: str | None = None
     nonfinite: list[str] = []
+    last = "no earlier checkpoint "
     cause: BaseException | None = None
     path = run.directory / checkpoint_name(state.epoch, state.global_step)
     if ctx.is_main:
@@ -95,16 +96,17 @@ def save(state: TrainState, run: Run) -> str:
                 "rng": rng,
             }
             nonfinite = nonfinite_tensors(payload)
+            kept = list_checkpoints(run.directory)
+            if kept:
+                last = f"the newest checkpoint there, {kept[-1].name}, "
             if not nonfinite:
                 payload["checksum"] = content_checksum(payload)
                 atomic_save(payload, path)
                 prune(run.directory, run.keep)
         except Exception as err:  # noqa: BLE001 - reported on every rank below, never half-written
             error, cause = f"{type(err).__name__}: {err}", err
-    error, nonfinite = broadcast_object((error, nonfinite), ctx)
+    error, nonfinite, last = broadcast_object((error, nonfinite, last), ctx)
     if nonfinite:
-        kept = list_checkpoints(run.directory)
-        last = f"the newest checkpoint there, {kept[-1].name}, " if kept else "no earlier checkpoint "
         raise NonFiniteLossError(
             f"refusing to write checkpoint {str(path)!r} (epoch {state.epoch}, optimiser step "
             f"{state.global_step}): the training state holds NaN/inf in {nonfinite[:5]}"
@@ -160,6 +162,11 @@ def restore(state: TrainState, payload: dict[str, Any], run: Run, *, path: str) 
     """Load ``payload`` into the model, optimiser, RNG streams and ``state``."""
     meta = payload["meta"]
     check_compatible(meta, run.identity, run.options, path)
+    ctx = state.ctx
+    states = payload.get("rng") or []
+    if ctx.rank < len(states) and state.noise_generator is not None:
+        # first: a record a generator refuses is an error before the model changes
+        set_rng_state(states[ctx.rank], state.noise_generator, ctx.device, path=path)
     bnn = state.bnn
     _load_named(dict(bnn.named_posterior_parameters()), payload["posterior"], "posterior", path)
     trainable = {n: p for n, p in bnn.named_base_parameters() if p.requires_grad}
@@ -169,16 +176,12 @@ def restore(state: TrainState, payload: dict[str, Any], run: Run, *, path: str) 
         state.optimizer.load_state_dict(payload["optimizer"])
     except (ValueError, KeyError, RuntimeError) as err:
         raise BayesifyError(f"checkpoint {path!r}: optimiser state does not fit ({err})") from err
-    ctx = state.ctx
     if meta.get("world_size") != ctx.world_size:
         warnings.warn(
             f"resuming a {meta.get('world_size')}-process checkpoint with {ctx.world_size} "
             "processes: the data order is kept (same global batch) but noise streams of "
             "ranks without a saved state are freshly seeded", stacklevel=3,
         )
-    states = payload.get("rng") or []
-    if ctx.rank < len(states) and state.noise_generator is not None:
-        set_rng_state(states[ctx.rank], state.noise_generator, ctx.device, path=path)
     state.epoch = int(meta["epoch"])
     state.step = int(meta["step"])
     state.global_step = int(meta["global_step"])
