@@ -326,10 +326,7 @@ class LaplaceMethod(Method):
         layers = self._layers(bnn)
         tau = self.prior_precision(bnn)
         if self.last_layer:
-            layer = _first(layers)
-            with _capturing(layer):
-                logits_of(call_model(bnn.model, x))
-                feats = curv.augmented_features(layer.captured[0], layer.has_bias).to(posterior.mean.dtype)
+            _, feats = self._last_layer_features(bnn, x)
             return self._mc_last_layer(posterior, feats, tau, samples_per_component, max_rows, seed)
         params = curv.subnetwork_parameters(bnn.model, self._param_names(layers))
         pieces = []
@@ -339,16 +336,21 @@ class LaplaceMethod(Method):
                                               samples_per_component, seed))
         return torch.cat(pieces, dim=1)
 
+    def _last_layer_features(self, bnn: BayesianModel, x: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """MAP logits ``[B, C]`` and the augmented features ã ``[B, D']`` of the classifier."""
+        layer = _first(self._layers(bnn))
+        with _capturing(layer):
+            logits = logits_of(call_model(bnn.model, x))
+            feats = curv.augmented_features(layer.captured[0], layer.has_bias)
+        return logits, feats.to(self.posterior(bnn).mean.dtype)
+
     def _moments(self, bnn: BayesianModel, x: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """MAP logits ``[B, C]`` and the functional variance ``(diag, rowsum, total)``."""
         posterior = self.posterior(bnn)
         layers = self._layers(bnn)
         tau = self.prior_precision(bnn)
         if self.last_layer:
-            layer = _first(layers)
-            with _capturing(layer):
-                logits = logits_of(call_model(bnn.model, x))
-                feats = curv.augmented_features(layer.captured[0], layer.has_bias).to(posterior.mean.dtype)
+            logits, feats = self._last_layer_features(bnn, x)
             return logits, posterior.functional_variance(feats, tau)
         params = curv.subnetwork_parameters(bnn.model, self._param_names(layers))
         pieces, logits_all = [], []
