@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import interleaved  # noqa: E402 - the shared interleaved timer
+from overhead import interleaved
 
-import bayesify  # noqa: E402
-from bayesify.core.batch import Batch  # noqa: E402
-from bayesify.train.steps import TrainForward, TrainState, build_optimizer, train_step  # noqa: E402
+import bayesify
+from bayesify.core.batch import Batch
+from bayesify.train.steps import TrainForward, TrainState, build_optimizer, train_step
 
 N_TRAIN = 1_281_167  # ImageNet-1k: the KL weight of a real run
 
