@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -290,6 +291,7 @@ def export_program(module: nn.Module, example_input: Any,
             f"prediction ({type(err).__name__}: {first}); its layers use Python-side state "
             "or data-dependent shapes, so the family has to implement Method.export_module"
         ) from err
+    _warn_fixed_token_axes(program, layout, example)
     drawn = random_ops(program)
     if drawn:
         raise BayesifyError(
@@ -301,6 +303,22 @@ def export_program(module: nn.Module, example_input: Any,
     return program
 
 
+def _warn_fixed_token_axes(program: torch.export.ExportedProgram, layout: InputLayout,
+                           example: Batch) -> None:
+    """Token axes are traced with ``Dim.AUTO``: say so when the model fixed them."""
+    wanted = {n: sorted(spec) for n, spec in dynamic_shapes(layout, example).items()}
+    got = dynamic_axes(program)
+    fixed = [n for n, axes in wanted.items() if 1 in axes and 1 not in got.get(n, [1])]
+    if fixed:
+        warnings.warn(
+            f"the exported program fixes the sequence length of {fixed} to the example's "
+            f"({[int(layout.tensors(example)[layout.names.index(n)].shape[1]) for n in fixed]}): "
+            "the model specialises it (torch.export unrolls nn.LSTM / nn.GRU over time, for "
+            "one); pad inputs to that length, or export once per length",
+            stacklevel=3,
+        )
+
+
 def dynamic_axes(program: torch.export.ExportedProgram) -> dict[str, list[int]]:
     """Input name → axes the program left symbolic (batch, and tokens where it could)."""
     out: dict[str, list[int]] = {}
@@ -310,7 +328,9 @@ def dynamic_axes(program: torch.export.ExportedProgram) -> dict[str, list[int]]:
         node = nodes.get(spec.arg.name)
         value = None if node is None else node.meta.get("val")
         if isinstance(value, torch.Tensor):
-            out[spec.arg.name] = [i for i, d in enumerate(value.shape) if not isinstance(d, int)]
+            # a SymInt that export replaced by a constant prints as a number
+            out[spec.arg.name] = [i for i, d in enumerate(value.shape)
+                                  if not isinstance(d, int) and not str(d).isdigit()]
     return out
 
 
