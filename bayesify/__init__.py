@@ -14,6 +14,7 @@ from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.persistence import load_posterior
 from bayesify.predict import BasePredictor, EnsemblePredictor, ModelPredictor, Prediction
 from bayesify.train import fit
+from bayesify.train.loss import LossTerms, elbo_loss
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "BayesianModel",
     "BayesifyError",
     "EnsemblePredictor",
+    "LossTerms",
     "MethodConfig",
     "ModelPredictor",
     "NonFiniteLossError",
@@ -36,6 +38,7 @@ __all__ = [
     "__version__",
     "bayesify",
     "describe_method",
+    "elbo_loss",
     "fit",
     "get_method_class",
     "list_methods",

@@ -13,7 +13,6 @@ fills in ``--model``, ``--data``, ``--checkpoint`` and ``--image-size``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,184 +20,40 @@ from typing import Any
 
 import torch
 
+from bayesify.cli_inputs import (
+    BASE_FILE,
+    CALIBRATION_FILE,
+    RUN_FILE,
+    StagedOutput,
+    add_source_arguments,
+    check_out,
+    format_metrics,
+    is_main,
+    key_values,
+    load_predictor,
+    progress_bar,
+    resolve,
+    show_progress,
+    write_json,
+)
 from bayesify.errors import BayesifyError
 from bayesify.predict.predictor import BasePredictor
 
-RUN_FILE = "run.json"
-BASE_FILE = "base.safetensors"
-CALIBRATION_FILE = "calibration.json"
-
-
-# -- shared flags ------------------------------------------------------------------------
-def _add_source_arguments(parser: argparse.ArgumentParser, *, posterior: bool) -> None:
-    if posterior:
-        parser.add_argument("--posterior", metavar="DIR", default=None,
-                            help="run directory of `bayesify fit` (or any save_posterior "
-                                 "directory); without it the plain base model (MAP) is used")
-    parser.add_argument("--data", default=None,
-                        help="'digits' (embedded scikit-learn digits: classes 0-4 in "
-                             "distribution, 5-9 OOD) or an ImageFolder DIR with train/ and val/ "
-                             "(and optional test/) subfolders (default: from --posterior, "
-                             "else digits)")
-    parser.add_argument("--model", default=None,
-                        help="'digits-cnn', 'timm:NAME' (e.g. timm:resnet50) or "
-                             "'torchvision:NAME' (default: from --posterior, else digits-cnn)")
-    parser.add_argument("--checkpoint", metavar="PATH", default=None,
-                        help="base weights: a state_dict as .safetensors or a torch file (read "
-                             "with weights_only=True) (default: RUN/base.safetensors)")
-    parser.add_argument("--pretrained", action="store_true",
-                        help="start from the hub weights of the timm/torchvision model "
-                             "(needs network access)")
-    parser.add_argument("--map-epochs", type=int, default=None,
-                        help="without --checkpoint/--pretrained, train the base model on the "
-                             "train split for this many epochs first (default: 40 on digits, "
-                             "0 = random init on folders)")
-    parser.add_argument("--image-size", type=int, default=None,
-                        help="input resolution (default: the model's own config; digits: 8 for "
-                             "digits-cnn, 32 for timm/torchvision)")
-    parser.add_argument("--ood", metavar="DIR", default=None,
-                        help="ImageFolder of out-of-distribution images for OOD AUROC "
-                             "(digits uses classes 5-9 automatically)")
-    parser.add_argument("--batch-size", type=int, default=64,
-                        help="training batch size; evaluation uses max(this, 256) (default: 64)")
-    parser.add_argument("--workers", type=int, default=0,
-                        help="DataLoader worker processes (default: 0)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the data split, training and the predictive members' "
-                             "noise (default: 0)")
-    parser.add_argument("--device", default="auto",
-                        help="'cpu', 'cuda', 'cuda:1', ... or 'auto' (cuda when available)")
-    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    if posterior:
-        parser.add_argument("--samples", type=int, default=None,
-                            help="noise samples per component at prediction (M = K x samples; "
-                                 "default: the family's predict_samples)")
-        parser.add_argument("--temperature", type=float, default=None,
-                            help="divide member logits by this (default: RUN/calibration.json "
-                                 "when present, else 1)")
-
-
-def _key_values(items: list[str] | None, flag: str) -> dict[str, Any]:
-    """``["k=v", ...]`` → dict; values parsed as JSON when possible (``4``, ``[1,2]``)."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise BayesifyError(f"{flag} expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise BayesifyError(f"cannot read {path}: {err}") from err
-
-
-def _resolve(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
-    """``(base model on device, DataBundle, spec)`` from the flags and ``RUN/run.json``."""
-    from bayesify.data import sources
-
-    run_dir = Path(args.posterior) if getattr(args, "posterior", None) else None
-    run = _read_json(run_dir / RUN_FILE) if run_dir and (run_dir / RUN_FILE).is_file() else {}
-    spec = {
-        "data": args.data or run.get("data") or sources.DIGITS,
-        "model": args.model or run.get("model") or sources.DIGITS_CNN,
-        "image_size": args.image_size or run.get("image_size"),
-        "pretrained": bool(args.pretrained or run.get("pretrained", False)),
-    }
-    checkpoint = args.checkpoint
-    if checkpoint is None and run_dir is not None and (run_dir / BASE_FILE).is_file():
-        checkpoint = str(run_dir / BASE_FILE)
-    classes = sources.data_classes(spec["data"])
-    channels, _ = sources.model_input(spec["model"], spec["data"], spec["image_size"])
-    torch.manual_seed(args.seed)
-    model = sources.create_model(spec["model"], num_classes=len(classes), in_channels=channels,
-                                 pretrained=spec["pretrained"], checkpoint=checkpoint)
-    bundle = sources.build_data(spec["data"], model, spec["model"], image_size=spec["image_size"],
-                                pretrained=spec["pretrained"], seed=args.seed, ood=args.ood)
-    model.to(_device(args.device))
-    map_epochs = args.map_epochs
-    if map_epochs is None:
-        map_epochs = 40 if spec["data"] == sources.DIGITS else 0
-    if checkpoint is None and not spec["pretrained"]:
-        if map_epochs > 0:
-            from bayesify.data.models import train_map
-
-            loader = bundle.loaders(batch_size=args.batch_size, seed=args.seed,
-                                    workers=args.workers)["train"]
-            train_map(model, _OnDevice(loader, model), epochs=map_epochs, seed=args.seed,
-                      progress=not args.no_progress)
-        else:
-            print("bayesify: warning: no --checkpoint or --pretrained; the base model is "
-                  "randomly initialised", file=sys.stderr)
-    spec["checkpoint"] = checkpoint
-    spec["classes"] = bundle.class_names
-    return model.eval(), bundle, spec
-
-
-class _OnDevice:
-    """A loader whose batches are moved to a model's device (for ``train_map``)."""
-
-    def __init__(self, loader: Any, model: Any) -> None:
-        self.loader, self.model = loader, model
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self):
-        device = next(self.model.parameters()).device
-        for x, y in self.loader:
-            yield x.to(device), y.to(device)
-
-
-def _predictor(args: argparse.Namespace, model: Any) -> Any:
-    """The posterior predictor of ``--posterior`` (or MAP) with its temperature."""
-    from bayesify.persistence import load_posterior
-    from bayesify.predict.predictor import ModelPredictor
-
-    if args.posterior is None:
-        predictor = ModelPredictor(model)
-    else:
-        bnn = load_posterior(model, args.posterior)
-        predictor = bnn.predictor(args.samples, seed=args.seed)
-    calibration = Path(args.posterior or ".") / CALIBRATION_FILE
-    if args.temperature is not None:
-        predictor.temperature = float(args.temperature)
-    elif args.posterior is not None and calibration.is_file():
-        predictor.temperature = float(_read_json(calibration)["temperature"])
-    return predictor
-
-
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2))
-
-
-def _format_metrics(metrics: dict[str, Any]) -> str:
-    rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in metrics.items()]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
-
 
 # -- fit ------------------------------------------------------------------------------------
-def _add_fit_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_source_arguments(parser, posterior=False)
-    parser.add_argument("--method", default="ibnn",
-                        help="posterior family (see `bayesify methods`; default: ibnn)")
+def _add_fit_arguments(parser: argparse.ArgumentParser, *, method: str = "ibnn",
+                       show_family: bool = True) -> None:
+    from bayesify.core.registry import list_methods
+    from bayesify.train.imagenet import add_family_options
+
+    add_source_arguments(parser, posterior=False)
+    parser.add_argument("--method", default="ibnn", choices=list_methods(),
+                        help="posterior family (default: ibnn); `bayesify fit --method NAME "
+                             "--help` lists its options")
     parser.add_argument("--option", action="append", metavar="KEY=VALUE",
-                        help="a config field of the family, repeatable, value parsed as JSON: "
-                             "--option components=4 --option targets=last_layer")
+                        help="a config field of the family as KEY=VALUE (JSON value), "
+                             "repeatable; the same as the family's own flags listed under "
+                             "--method NAME --help")
     parser.add_argument("--recipe", action="store_true",
                         help="start from the family's digits demo recipe (options, epochs, KL "
                              "anneal); explicit flags override it")
@@ -217,56 +72,92 @@ def _add_fit_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra keyword for bayesify.fit / a post-hoc family's fit "
                              "(repeatable, JSON values)")
     parser.add_argument("--out", default="bayesify-run",
-                        help="run directory: posterior, base weights, run.json, history "
+                        help="run directory: posterior, base weights, run.json, history; "
+                             "written via OUT.incomplete/, moved in when the run succeeds "
                              "(default: %(default)s)")
+    add_family_options(parser, method, show=show_family)
+    parser.epilog = families_epilog()
 
 
-def _run_fit(args: argparse.Namespace) -> int:
-    from bayesify.core.factory import bayesify
+def families_epilog() -> str:
+    from bayesify.train.imagenet import families_epilog as epilog
+
+    return epilog("bayesify fit")
+
+
+def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """``(config options, fit keywords, gradient_trained)``, all checked before any work."""
+    import inspect
+
     from bayesify.core.registry import get_method_class
-    from bayesify.data.sources import save_checkpoint
+    from bayesify.train.imagenet import check_family_options, family_options
     from bayesify.train.loop import fit
 
-    recipe = get_method_class(args.method).demo_recipe() if args.recipe else {}
-    options = {**recipe.get("options", {}), **_key_values(args.option, "--option")}
+    cls = get_method_class(args.method)
+    recipe = cls.demo_recipe() if args.recipe else {}
+    options = {**recipe.get("options", {}), **key_values(args.option, "--option"),
+               **family_options(args, args.method)}
+    gradient = cls(check_family_options(args.method, options)).gradient_trained
     fit_kwargs = {"epochs": 5, **recipe.get("fit", {})}
     for key, value in (("epochs", args.epochs), ("lr", args.lr),
                        ("kl_anneal_epochs", args.kl_anneal_epochs)):
         if value is not None:
             fit_kwargs[key] = value
-    fit_kwargs.update(_key_values(args.fit_option, "--fit-option"))
-    model, bundle, spec = _resolve(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(model, out / BASE_FILE)
+    fit_kwargs.update(key_values(args.fit_option, "--fit-option"))
+    if fit_kwargs["epochs"] < 1:
+        raise BayesifyError(f"--epochs must be >= 1, got {fit_kwargs['epochs']}")
+    target = fit if gradient else cls.fit
+    params = inspect.signature(target).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()) or gradient:
+        known = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+        unknown = sorted(set(fit_kwargs) - known)
+        if unknown:
+            raise BayesifyError(f"unknown fit option(s) {unknown} for method {args.method!r}; "
+                                f"known: {sorted(known)}")
+    check_out(Path(args.out))
+    return options, fit_kwargs, gradient
+
+
+def _run_fit(args: argparse.Namespace) -> int:
+    from bayesify.core.factory import bayesify
+    from bayesify.data.sources import save_checkpoint
+    from bayesify.train.loop import fit
+
+    options, fit_kwargs, gradient = _fit_plan(args)
+    model, bundle, spec = resolve(args)
     loaders = bundle.loaders(batch_size=args.batch_size, seed=args.seed, workers=args.workers)
     # recipes name loaders by split ("val_loader": "val")
     fit_kwargs = {k: loaders.get(v, v) if isinstance(v, str) and k.endswith("_loader") else v
                   for k, v in fit_kwargs.items()}
-    bnn = bayesify(model, args.method, **options)
-    gradient = bnn.method.gradient_trained
-    extra = ({"base_lr": args.base_lr, "optimizer": args.optimizer, "log_dir": out}
-             if gradient else {})
-    result = fit(bnn, loaders["train"], progress=not args.no_progress, **extra, **fit_kwargs)
-    bnn.save_posterior(out)
-    predictor = bnn.predictor(seed=args.seed)
-    val = predictor.evaluate(loaders["val"])
-    _write_json(out / RUN_FILE, {
-        "data": spec["data"], "model": spec["model"], "image_size": spec["image_size"],
-        "pretrained": spec["pretrained"], "classes": spec["classes"], "method": args.method,
-        "options": options, "seed": args.seed,
-        "fit": {k: v for k, v in fit_kwargs.items() if not k.endswith("_loader")},
-        "history": result.history, "val": val,
-    })
-    print(bnn.summary())
-    print("\nvalidation:\n" + _format_metrics(val))
-    print(f"\nwrote {out}/ (posterior.safetensors, bayesify.json, {BASE_FILE}, {RUN_FILE})")
+    if is_main():
+        print(f"bayesify: {spec['batches'].describe()}", file=sys.stderr)
+    staged = StagedOutput(Path(args.out))
+    with staged as out:
+        bnn = bayesify(model, args.method, **options)
+        extra = ({"base_lr": args.base_lr, "optimizer": args.optimizer, "log_dir": out}
+                 if gradient else {})
+        result = fit(bnn, loaders["train"], progress=show_progress(args), **extra, **fit_kwargs)
+        val = bnn.predictor(seed=args.seed).evaluate(progress_bar(loaders["val"], "validate", args))
+        if is_main():
+            save_checkpoint(model, out / BASE_FILE)  # bayesify() wrapped a copy
+            bnn.save_posterior(out)
+            write_json(out / RUN_FILE, {
+                "data": spec["data"], "model": spec["model"], "image_size": spec["image_size"],
+                "pretrained": spec["pretrained"], "classes": spec["classes"],
+                "method": args.method, "options": options, "seed": args.seed,
+                "fit": {k: v for k, v in fit_kwargs.items() if not k.endswith("_loader")},
+                "history": result.history, "val": val,
+            })
+    if is_main():
+        print(bnn.summary())
+        print("\nvalidation:\n" + format_metrics(val))
+        print("\n" + staged.summary())
     return 0
 
 
 # -- evaluate -------------------------------------------------------------------------------
 def _add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_source_arguments(parser, posterior=True)
+    add_source_arguments(parser, posterior=True)
     parser.add_argument("--split", choices=("val", "test"), default="test",
                         help="split to evaluate (folders without test/ use val/; default: test)")
     parser.add_argument("--out", default=None,
@@ -277,14 +168,19 @@ def _add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_evaluate(args: argparse.Namespace) -> int:
     from bayesify import metrics
-    from bayesify.predict.prediction import Prediction
+    from bayesify.core.prediction import Prediction
 
-    model, bundle, spec = _resolve(args)
-    predictor = _predictor(args, model)
+    out = Path(args.out or (Path(args.posterior) / "evaluate" if args.posterior
+                            else "bayesify-eval"))
+    check_out(out)
+    model, bundle, spec = resolve(args)
+    predictor = load_predictor(args, model)
     loaders = bundle.loaders(batch_size=args.batch_size, seed=args.seed, workers=args.workers)
+    split = args.split if args.split in loaders else "val"
     # one pass over the data: metrics and figures both read the collected member logits
-    logits, labels = predictor.collect(loaders[args.split])
-    ood_logits = predictor.collect(loaders["ood"])[0] if "ood" in loaders else None
+    logits, labels = predictor.collect(progress_bar(loaders[split], f"evaluate {split}", args))
+    ood_logits = (predictor.collect(progress_bar(loaders["ood"], "evaluate OOD", args))[0]
+                  if "ood" in loaders else None)
     replay = _Replay(logits if ood_logits is None else torch.cat([logits, ood_logits], dim=1),
                      predictor.temperature)
     n = logits.shape[1]
@@ -293,22 +189,23 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     result.update({"split": args.split, "temperature": predictor.temperature,
                    "method": getattr(getattr(predictor, "bnn", None), "method_name", "map"),
                    "model": spec["model"], "data": spec["data"]})
-    out = Path(args.out or (Path(args.posterior) / "evaluate" if args.posterior
-                            else "bayesify-eval"))
-    _write_json(out / "metrics.json", result)
-    print(_format_metrics(result))
-    if not args.no_plots:
-        pred = Prediction(logits / predictor.temperature)
-        conf, guess = pred.probs.max(-1)
-        metrics.save_reliability_diagram({result["method"]: (conf, (guess == labels).float())},
-                                         out / "reliability.png")
-        groups = {f"{args.split} (in distribution)": pred.entropy}
-        if ood_logits is not None:
-            groups["OOD"] = Prediction(ood_logits / predictor.temperature).entropy
-        metrics.save_entropy_histogram({result["method"]: groups}, out / "entropy_hist.png",
-                                       bundle.num_classes)
-    print(f"\nwrote {out}/metrics.json" + ("" if args.no_plots else
-          f", {out}/reliability.png, {out}/entropy_hist.png"))
+    staged = StagedOutput(out)
+    with staged as stage:
+        if is_main():
+            write_json(stage / "metrics.json", result)
+        if is_main() and not args.no_plots:
+            pred = Prediction(logits / predictor.temperature)
+            conf, guess = pred.probs.max(-1)
+            metrics.save_reliability_diagram(
+                {result["method"]: (conf, (guess == labels).float())}, stage / "reliability.png")
+            groups = {f"{args.split} (in distribution)": pred.entropy}
+            if ood_logits is not None:
+                groups["OOD"] = Prediction(ood_logits / predictor.temperature).entropy
+            metrics.save_entropy_histogram({result["method"]: groups},
+                                           stage / "entropy_hist.png", bundle.num_classes)
+    if is_main():
+        print(format_metrics(result))
+        print("\n" + staged.summary())
     return 0
 
 
@@ -337,9 +234,10 @@ class _Replay(BasePredictor):
 
 # -- calibrate ------------------------------------------------------------------------------
 def _add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_source_arguments(parser, posterior=True)
-    parser.add_argument("--method", dest="calibration", choices=("temperature",),
-                        default="temperature", help="calibration method (default: temperature)")
+    add_source_arguments(parser, posterior=True)
+    parser.add_argument("--calibration", choices=("temperature",), default="temperature",
+                        help="calibration method (default: temperature); --method is the "
+                             "posterior family, as in every command")
     parser.add_argument("--out", default=None,
                         help="directory for calibration.json and calibration_reliability.png "
                              "(default: the --posterior directory, so evaluate/export use it)")
@@ -348,28 +246,37 @@ def _add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_calibrate(args: argparse.Namespace) -> int:
     from bayesify.predict.calibration import calibration_stats
 
-    model, bundle, _ = _resolve(args)
-    args.temperature = 1.0 if args.temperature is None else args.temperature
-    predictor = _predictor(args, model)
-    loaders = bundle.loaders(batch_size=args.batch_size, seed=args.seed, workers=args.workers)
     out = Path(args.out or args.posterior or "bayesify-calibration")
-    out.mkdir(parents=True, exist_ok=True)
-    result = predictor.calibrate(loaders["val"], method=args.calibration,
-                                 plot=out / "calibration_reliability.png")
-    test_logits, test_labels = predictor.collect(loaders["test"])
-    payload = result.to_dict()
-    for tag, temp in (("before", result.previous_temperature), ("after", result.temperature)):
-        nll, ece, _, _ = calibration_stats(test_logits, test_labels, temp)
-        payload[f"test_nll_{tag}"], payload[f"test_ece_{tag}"] = nll, ece
-    _write_json(out / CALIBRATION_FILE, payload)
-    print(_format_metrics(payload))
-    print(f"\nwrote {out}/{CALIBRATION_FILE}, {result.plot}")
+    check_out(out)
+    model, bundle, _ = resolve(args)
+    args.temperature = 1.0 if args.temperature is None else args.temperature
+    predictor = load_predictor(args, model)
+    loaders = bundle.loaders(batch_size=args.batch_size, seed=args.seed, workers=args.workers)
+    staged = StagedOutput(out)
+    with staged as stage:
+        plot = stage / "calibration_reliability.png" if is_main() else None
+        result = predictor.calibrate(progress_bar(loaders["val"], "calibrate (val)", args),
+                                     method=args.calibration, plot=plot)
+        test_logits, test_labels = predictor.collect(progress_bar(loaders["test"], "calibrate (test)",
+                                                          args))
+        payload = result.to_dict()
+        if payload.get("plot"):
+            payload["plot"] = str(out / Path(payload["plot"]).name)
+        for tag, temp in (("before", result.previous_temperature),
+                          ("after", result.temperature)):
+            nll, ece, _, _ = calibration_stats(test_logits, test_labels, temp)
+            payload[f"test_nll_{tag}"], payload[f"test_ece_{tag}"] = nll, ece
+        if is_main():
+            write_json(stage / CALIBRATION_FILE, payload)
+    if is_main():
+        print(format_metrics(payload))
+        print("\n" + staged.summary())
     return 0
 
 
 # -- export ---------------------------------------------------------------------------------
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_source_arguments(parser, posterior=True)
+    add_source_arguments(parser, posterior=True)
     parser.add_argument("--format", choices=("pt2", "onnx"), default=None,
                         help="torch.export program (.pt2) or ONNX (default: from the --output "
                              "suffix, else pt2)")
@@ -384,13 +291,24 @@ def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    model, bundle, _ = _resolve(args)
-    predictor = _predictor(args, model)
     fmt = args.format or ("onnx" if str(args.output or "").endswith(".onnx") else "pt2")
     output = Path(args.output or Path(args.posterior or ".") / f"predictor.{fmt}")
+    check_out(output.parent, "--output")
+    if args.example_batch < 1:
+        raise BayesifyError(f"--example-batch must be >= 1, got {args.example_batch}")
+    model, bundle, _ = resolve(args)
+    predictor = load_predictor(args, model)
     rows = [bundle.val[i][0] for i in range(min(args.example_batch, len(bundle.val)))]
-    info = predictor.export(output, torch.stack(rows), format=fmt, verify=not args.no_verify)
-    print(_format_metrics(info))
+    staged = StagedOutput(output.parent)
+    with staged as stage:
+        if is_main():
+            info = predictor.export(stage / output.name, torch.stack(rows), format=fmt,
+                                    verify=not args.no_verify)
+    if is_main():
+        info = {k: str(v).replace(str(stage), str(output.parent)) if isinstance(v, (str, Path))
+                else v for k, v in info.items()}
+        print(format_metrics(info))
+        print("\n" + staged.summary())
     return 0
 
 
@@ -458,22 +376,40 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(fit_method: str = "ibnn", *, show_family: bool = False) -> argparse.ArgumentParser:
+    """The ``bayesify`` parser; ``fit`` carries the options of ``fit_method``.
+
+    ``show_family``: list those options in ``fit --help`` (``fit --method NAME``
+    was given); otherwise ``fit --help`` points to the per-family help.
+    """
+    from bayesify import __version__
+
     parser = argparse.ArgumentParser(
         prog="bayesify",
         description="Turn a pretrained PyTorch network into a Bayesian one: fit, evaluate, "
                     "calibrate and export posteriors.",
     )
+    parser.add_argument("--version", action="version", version=f"bayesify {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, add_arguments, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        add_arguments(p)
+        if name == "fit":
+            p.usage = "bayesify fit [--data DATA] [--model MODEL] [--method NAME] [options]"
+            _add_fit_arguments(p, method=fit_method, show_family=show_family)
+        else:
+            add_arguments(p)
         p.set_defaults(run=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    from bayesify.core.registry import list_methods
+    from bayesify.train.imagenet import peek_method
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    method, given = peek_method(argv[1:]) if argv[:1] == ["fit"] else ("ibnn", False)
+    known = method in list_methods()
+    parser = build_parser(method if known else "ibnn", show_family=given and known)
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
         parser.print_help()
@@ -481,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except BayesifyError as err:
-        print(f"bayesify: error: {err}", file=sys.stderr)
+        if is_main():
+            print(f"bayesify: error: {err}", file=sys.stderr)
         return 2
 
 

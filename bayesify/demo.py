@@ -24,6 +24,7 @@ from bayesify.data.digits import digits_loaders, load_digits_splits
 from bayesify.data.models import DigitsCNN, train_map
 from bayesify.evaluation.corruptions import gaussian_mix
 from bayesify.predict.predictor import BasePredictor, ModelPredictor
+from bayesify.train.evaluate import per_example_stats
 from bayesify.train.loop import fit
 
 COLUMNS = ("accuracy", "nll", "ece", "brier", "ood_auroc_entropy", "ood_auroc_mi", "corrupt_nll",
@@ -94,10 +95,9 @@ def run_demo(
 def _plots(predictors: dict[str, BasePredictor], loaders: dict[str, DataLoader], out_dir: Path, num_classes: int) -> None:
     curves, groups = {}, {}
     for name, predictor in predictors.items():
-        test = predictor._stream(loaders["test"], with_labels=True)
-        ood = predictor._stream(loaders["ood"], with_labels=False)
-        conf, pred = test["probs"].max(-1)
-        curves[name] = (conf, (pred == test["labels"]).float())
+        test = per_example_stats(predictor, loaders["test"], device=predictor.device)
+        ood = per_example_stats(predictor, loaders["ood"], device=predictor.device, labels=False)
+        curves[name] = (test["confidence"], test["correct"])
         groups[name] = {"in distribution (0–4)": test["entropy"], "OOD (5–9)": ood["entropy"]}
     metrics.save_reliability_diagram(curves, out_dir / "reliability.png")
     metrics.save_entropy_histogram(groups, out_dir / "entropy_hist.png", num_classes)

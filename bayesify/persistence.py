@@ -32,19 +32,33 @@ if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
 FORMAT = "bayesify-posterior"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+BASE_PREFIX = "base."
 TENSOR_FILE = "posterior.safetensors"
 MANIFEST_FILE = "bayesify.json"
 
 
-def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over ``(name, dtype, shape, bytes)`` of every tensor, in sorted name order."""
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+def tensor_digest(name: str, tensor: torch.Tensor) -> str:
+    """sha256 over ``(name, dtype, shape, bytes)`` of one tensor."""
+    tensor = tensor.detach().cpu().contiguous()
+    digest = hashlib.sha256(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+    digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def tensor_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """:func:`tensor_digest` of every tensor of a ``state_dict``."""
+    return {name: tensor_digest(name, state[name]) for name in state}
+
+
+def fingerprint_from_digests(digests: Mapping[str, str]) -> str:
+    """sha256 over the per-tensor digests in sorted name order."""
+    return hashlib.sha256("\n".join(f"{k}={digests[k]}" for k in sorted(digests)).encode()).hexdigest()
+
+
+def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """Fingerprint of a ``state_dict``: :func:`fingerprint_from_digests` of its tensors."""
+    return fingerprint_from_digests(tensor_digests(state))
 
 
 def _file_sha256(path: Path) -> str:
@@ -66,16 +80,19 @@ def _atomic_write(path: Path, write: Any) -> None:
     os.replace(tmp, path)
 
 
-def posterior_tensors(bnn: BayesianModel) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Every tensor ``save_posterior`` writes, and which of them are family state."""
+def posterior_tensors(bnn: BayesianModel) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """Every tensor ``save_posterior`` writes: posterior parameters, posterior buffers
+    (``BayesianModel.named_posterior_buffers``: layer buffers and family state) and
+    the base tensors that changed since the model was wrapped (``base.<name>``).
+    Returns ``(tensors, buffer names, base names)``."""
     tensors = {name: p.detach() for name, p in bnn.named_posterior_parameters()}
-    state = dict(bnn.method.posterior_state(bnn))
-    clash = sorted(set(tensors) & set(state))
+    buffers = {name: b.detach() for name, b in bnn.named_posterior_buffers()}
+    base = {f"{BASE_PREFIX}{k}": v for k, v in bnn.changed_base_tensors().items()}
+    clash = sorted((set(tensors) & set(buffers)) | ((set(tensors) | set(buffers)) & set(base)))
     if clash:
-        raise BayesifyError(f"method {bnn.method_name!r} returns posterior_state keys that "
-                            f"are also parameter names: {clash[:5]}")
-    tensors.update({k: v.detach() for k, v in state.items()})
-    return tensors, sorted(state)
+        raise BayesifyError(f"method {bnn.method_name!r} has posterior tensor names that "
+                            f"collide: {clash[:5]}")
+    return {**tensors, **buffers, **base}, sorted(buffers), sorted(base)
 
 
 def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
@@ -86,12 +103,11 @@ def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors, state_names = posterior_tensors(bnn)
+    tensors, buffer_names, base_names = posterior_tensors(bnn)
     # safetensors refuses views / shared storage: store independent contiguous copies
     cpu = {k: v.to("cpu", copy=True).contiguous() for k, v in tensors.items()}
     tensor_path = directory / TENSOR_FILE
     _atomic_write(tensor_path, lambda p: save_file(cpu, str(p), metadata={"format": FORMAT}))
-    base = bnn.unwrap()
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -100,10 +116,11 @@ def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
         "method": bnn.method_name,
         "config": bnn.config.to_dict(),
         "targets": list(bnn.targets),
-        "parameters": sorted(set(tensors) - set(state_names)),
-        "state": state_names,
-        "base_model": type(base).__name__,
-        "base_fingerprint": fingerprint(base.state_dict()),
+        "parameters": sorted(set(tensors) - set(buffer_names) - set(base_names)),
+        "state": buffer_names,
+        "base_tensors": base_names,
+        "base_model": type(bnn.model).__name__,
+        "base_fingerprint": bnn.base_fingerprint,
         "posterior_sha256": _file_sha256(tensor_path),
     }
     manifest["checksum"] = _manifest_checksum(manifest)
@@ -132,6 +149,12 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     version = manifest.get("format_version")
     if not isinstance(version, int) or version < 1:
         raise BayesifyError(f"{path} has an invalid format_version {version!r}")
+    if version < FORMAT_VERSION:
+        raise BayesifyError(
+            f"{path} has format version {version}, written by bayesify "
+            f"{manifest.get('bayesify_version')} before posterior state and base fingerprints "
+            f"were redone (version {FORMAT_VERSION}); refit and save the posterior again"
+        )
     if version > FORMAT_VERSION:
         raise BayesifyError(
             f"{path} has format version {version}, newer than this bayesify supports "
@@ -168,7 +191,7 @@ def load_posterior(base_model: nn.Module, directory: str | os.PathLike) -> Bayes
     base_print = fingerprint(base_model.state_dict())
     if base_print != manifest["base_fingerprint"]:
         raise BayesifyError(
-            f"the base model ({type(base_model).__name__}, weights sha256 {base_print[:12]}…) "
+            f"the base model ({type(base_model).__name__}, weights fingerprint {base_print[:12]}…) "
             f"is not the one this posterior was fitted on ({manifest.get('base_model')}, "
             f"{manifest['base_fingerprint'][:12]}…); pass the same architecture with the same "
             "weights (and save the base model too if its weights were fine-tuned)"
@@ -183,18 +206,24 @@ def load_posterior(base_model: nn.Module, directory: str | os.PathLike) -> Bayes
         tensors = load_file(str(tensor_path))
     except (SafetensorError, OSError) as err:
         raise BayesifyError(f"cannot read {tensor_path}: {err}") from err
-    state_names = set(manifest["state"])
-    _load_parameters(bnn, {k: v for k, v in tensors.items() if k not in state_names})
-    missing_state = sorted(state_names - set(tensors))
-    if missing_state:
-        raise BayesifyError(f"{tensor_path} lacks posterior state {missing_state[:5]}")
-    bnn.method.load_posterior_state(bnn, {k: tensors[k] for k in sorted(state_names)})
+    base_names = set(manifest.get("base_tensors", []))
+    with torch.no_grad():
+        base = bnn.base_state_dict()
+        for key in sorted(base_names):
+            name = key[len(BASE_PREFIX):]
+            if name not in base or key not in tensors or tensors[key].shape != base[name].shape:
+                raise BayesifyError(f"{tensor_path}: saved base tensor {name!r} does not fit "
+                                    "the base model")
+            base[name].copy_(tensors[key])
+    expected = dict(bnn.named_posterior_parameters())
+    expected.update(dict(bnn.named_posterior_buffers()))
+    _load_tensors(bnn, expected, {k: v for k, v in tensors.items() if k not in base_names})
     bnn.eval()
     return bnn
 
 
-def _load_parameters(bnn: BayesianModel, tensors: dict[str, torch.Tensor]) -> None:
-    params = dict(bnn.named_posterior_parameters())
+def _load_tensors(bnn: BayesianModel, params: dict[str, torch.Tensor],
+                  tensors: dict[str, torch.Tensor]) -> None:
     missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
     if missing or extra:
         raise BayesifyError(

@@ -109,7 +109,7 @@ def bayesify_row(bench: Bench, name: str, members: int, reps: int) -> dict[str, 
     options = {**recipe.get("options", {}), **OVERHEAD_OPTIONS.get(name, {})}
     bnn = bayesify.bayesify(copy.deepcopy(bench.model), name, **options).to(bench.device)
     row: dict[str, Any] = {"row": f"bayesify:{name}", "options": options}
-    if cls.gradient_trained:
+    if cls.training != "curvature":
         bnn.set_base_trainable(False)
         params = [p for p in bnn.posterior_parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, nesterov=True)

@@ -4,59 +4,66 @@
         --model torchvision:resnet50 --pretrained --weights IMAGENET1K_V1 \
         --data /data/imagenet --method ibnn --components 4 --out runs/r50-ibnn-k4
 
-Thin on purpose: argument parsing plus library calls (bayesify.train.imagenet for
-models, preprocessing and folders; bayesify.fit for DDP training, schedules,
-checkpoints; bayesify.train.evaluate_sharded for validation). Single process
-works too (``python examples/finetune_imagenet.py ...``). ``--batch-size`` is per
-process: the global batch is batch size × number of processes. Outputs in
-``--out``: ``args.json``, ``history.jsonl`` (one line per epoch, with val
-accuracy/NLL/ECE), ``checkpoints/`` (resumable; rerunning the same command
-continues from the newest one), ``posterior/`` (the final posterior) and
-``final_metrics.json``.
+``--method NAME --help`` lists the options of that posterior family. Every
+argument (family options, model name, checkpoint and its classifier head, the
+ImageFolder layout, world size × batch size vs data size, output directory) is
+checked before any training starts and before anything is written. Single
+process works too (``python examples/finetune_imagenet.py ...``). ``--batch-size``
+is per process: the global batch is batch size × number of processes.
+
+Outputs in ``--out``: ``args.json``, ``history.jsonl`` (one line per epoch, with
+val accuracy/NLL/ECE), ``checkpoints/`` (resumable; rerunning the same command
+continues from the newest one), ``posterior/`` (the final posterior, written via
+``posterior.incomplete/`` and renamed when complete) and ``final_metrics.json``.
+See examples/README_imagenet.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
+import bayesify as bayesify_pkg
 from bayesify import bayesify, fit
+from bayesify.core.registry import list_methods
+from bayesify.data.model_source import create_model, model_transforms
+from bayesify.data.sources import default_workers, inspect_image_folder, plan_batches
+from bayesify.errors import BayesifyError
 from bayesify.train import cleanup_distributed, evaluate_sharded, setup_distributed
 from bayesify.train.checkpoint import list_checkpoints
 from bayesify.train.distributed import broadcast_object
 from bayesify.train.imagenet import (
-    add_method_options,
-    build_transforms,
+    add_family_options,
+    check_family_options,
+    families_epilog,
+    family_options,
     image_folder_loaders,
-    load_model,
-    method_options,
+    peek_method,
     save_posterior_files,
 )
-from bayesify.train.schedules import SCHEDULE_HELP
+from bayesify.train.schedules import SCHEDULE_HELP, parse_schedule
+
+PROG = "finetune_imagenet.py"
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default only when it is a value worth showing and not already in the help."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
-            return text
-        return super()._get_help_string(action) or text
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(method: str = "ibnn", *, show_family: bool = True) -> argparse.ArgumentParser:
+    """Common flags plus the options of ``method`` (shown in ``--help`` when ``show_family``)."""
     p = argparse.ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} --model SOURCE:NAME --data DIR --out DIR [--method NAME] [options]",
         description="Bayesify a pretrained ImageNet model and fine-tune its posterior "
                     "(launch with torchrun for data parallelism).",
-        formatter_class=_Formatter,
-        epilog="The final evaluation uses the family's prediction setting (for iBNN "
-               "--predict-samples n per component, M = K·n members).",
+        epilog=families_epilog(PROG) + " The final evaluation uses the family's prediction "
+               "setting (iBNN: --predict-samples n per component, M = K·n members).",
     )
+    p.add_argument("--version", action="version", version=f"bayesify {bayesify_pkg.__version__}")
     m = p.add_argument_group("model and data")
     m.add_argument("--model", required=True,
                    help="SOURCE:NAME, e.g. timm:resnet50 or torchvision:resnet50")
@@ -67,96 +74,194 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the model's DEFAULT weights)")
     m.add_argument("--checkpoint", default=None,
                    help="local weights file (.safetensors or torch.save state dict) instead of "
-                        "--pretrained")
+                        "--pretrained; its classifier head must match the class count")
     m.add_argument("--num-classes", type=int, default=None,
-                   help="classifier size (default: the architecture's, 1000 for ImageNet)")
+                   help="classifier size (default: the number of class folders in DATA/train)")
     m.add_argument("--data", required=True,
                    help="directory with train/ and val/ ImageFolder sub-directories")
     m.add_argument("--image-size", type=int, default=None,
                    help="crop size override (default: the model's own preprocessing config)")
-    m.add_argument("--workers", type=int, default=8, help="data-loading workers per process")
+    m.add_argument("--workers", type=int, default=None,
+                   help="data-loading workers per process (default: from the CPUs available "
+                        "to each process: CPUs/processes - 1, at most 8; 0 below 3 CPUs)")
     m.add_argument("--batch-size", type=int, default=32,
-                   help="training batch per process (global = this × number of processes)")
+                   help="training batch PER PROCESS; global batch = this × number of "
+                        "processes (8 GPUs × 32 = 256) (default: 32)")
     m.add_argument("--eval-batch-size", type=int, default=None,
                    help="validation batch per process (default: --batch-size)")
-    m.add_argument("--method", default="ibnn", help="posterior family (bayesify.list_methods())")
+    m.add_argument("--method", default="ibnn", choices=list_methods(),
+                   help="posterior family (default: ibnn); `--method NAME --help` lists its "
+                        "options")
 
     t = p.add_argument_group("training")
-    t.add_argument("--epochs", type=int, default=15, help="training epochs")
+    t.add_argument("--epochs", type=int, default=15, help="training epochs (default: 15)")
     t.add_argument("--lr", type=float, default=None,
                    help="learning rate of the posterior group (default: the family's)")
     t.add_argument("--lr-schedule", default="constant",
-                   help=f"posterior LR schedule: {SCHEDULE_HELP}")
+                   help=f"posterior LR schedule: {SCHEDULE_HELP} (default: constant)")
     t.add_argument("--base-lr", type=float, default=0.0,
-                   help="learning rate of the pretrained weights (0 keeps them frozen)")
+                   help="learning rate of the pretrained weights (default: 0 = frozen)")
     t.add_argument("--base-lr-schedule", default="constant",
-                   help="schedule of the base LR (same syntax as --lr-schedule)")
-    t.add_argument("--beta", type=float, default=1.0, help="final weight β of the KL term")
+                   help="schedule of the base LR, same syntax as --lr-schedule (default: constant)")
+    t.add_argument("--beta", type=float, default=1.0, help="final weight β of the KL term "
+                   "(default: 1)")
     t.add_argument("--kl-anneal-epochs", type=float, default=0.0,
-                   help="β rises linearly from 0 over this many epochs (0: fixed β)")
+                   help="β rises linearly from 0 over this many epochs (default: 0 = fixed β)")
     t.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"),
-                   help="optimiser (sgd uses Nesterov momentum)")
-    t.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+                   help="optimiser (default: sgd with Nesterov momentum)")
+    t.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
     t.add_argument("--weight-decay", type=float, default=0.0,
-                   help="weight decay of the posterior group")
+                   help="weight decay of the posterior group (default: 0)")
     t.add_argument("--base-weight-decay", type=float, default=0.0,
-                   help="weight decay of the base group")
+                   help="weight decay of the base group (default: 0)")
+    t.add_argument("--train-bn", action="store_true",
+                   help="update BatchNorm statistics while fine-tuning (default: frozen); "
+                        "then a partial last global batch is dropped, and reported")
     t.add_argument("--grad-accum-steps", type=int, default=1,
-                   help="micro-batches per optimiser step")
+                   help="micro-batches per optimiser step (default: 1)")
     t.add_argument("--clip-grad-norm", type=float, default=None,
-                   help="clip the global gradient norm to this value")
+                   help="clip the global gradient norm to this value (default: no clipping)")
     t.add_argument("--seed", type=int, default=0,
-                   help="seed of the posterior init, data order and noise streams")
+                   help="seed of the posterior init, data order and noise streams (default: 0)")
 
     s = p.add_argument_group("speed")
     s.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cuda or cpu (under torchrun: cuda:LOCAL_RANK)")
+                   help="cuda or cpu; under torchrun cuda becomes cuda:LOCAL_RANK "
+                        "(default: cuda when available)")
     s.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast (default: on for CUDA)")
-    s.add_argument("--channels-last", action=argparse.BooleanOptionalAction,
-                   default=torch.cuda.is_available(), help="channels_last memory format")
+    s.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="channels_last memory format (default: on for CUDA)")
     s.add_argument("--compile", action="store_true", help="torch.compile the training forward")
 
     e = p.add_argument_group("evaluation, output and resume")
-    e.add_argument("--val-every", type=int, default=1, help="validate every N epochs")
+    e.add_argument("--val-every", type=int, default=1,
+                   help="validate every N epochs; the last epoch always (default: 1)")
     e.add_argument("--val-samples", type=int, default=None,
-                   help="noise samples per component in per-epoch validation "
-                        "(default: the family's)")
+                   help="noise samples per component in per-epoch validation (default: the "
+                        "family's; then the last epoch's validation is the final evaluation)")
     e.add_argument("--out", required=True,
-                   help="output directory: logs, checkpoints/, posterior/, final_metrics.json")
+                   help="output directory: args.json, history.jsonl, checkpoints/, posterior/, "
+                        "final_metrics.json")
     e.add_argument("--checkpoint-every-steps", type=int, default=0,
-                   help="also checkpoint every N optimiser steps (0: once per epoch)")
+                   help="also checkpoint every N optimiser steps (default: 0 = once per epoch)")
     e.add_argument("--keep-checkpoints", type=int, default=2,
-                   help="newest checkpoints kept in OUT/checkpoints (0: all)")
+                   help="newest checkpoints kept in OUT/checkpoints (default: 2; 0 = all)")
     e.add_argument("--resume", default="auto",
                    help="'auto' (continue from OUT/checkpoints if it holds one), 'none', or a "
-                        "checkpoint file/directory")
+                        "checkpoint file/directory (default: auto)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_method_options(p)
+    add_family_options(p, method, show=show_family)
     return p
 
 
+def _writable(path: Path) -> bool:
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    return probe.is_dir() and os.access(probe, os.W_OK)
+
+
+def preflight(args: argparse.Namespace) -> dict[str, Any]:
+    """Check every argument and build the base model; nothing is written, nothing trains."""
+    for flag, value, low in (("--epochs", args.epochs, 1), ("--grad-accum-steps",
+                             args.grad_accum_steps, 1), ("--val-every", args.val_every, 1),
+                             ("--workers", args.workers, 0), ("--keep-checkpoints",
+                             args.keep_checkpoints, 0)):
+        if value is not None and value < low:
+            raise BayesifyError(f"{flag} must be >= {low}, got {value}")
+    options = family_options(args, args.method)
+    check_family_options(args.method, options)
+    parse_schedule(args.lr_schedule)
+    parse_schedule(args.base_lr_schedule)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise BayesifyError(f"--device {args.device} but CUDA is not available; use --device cpu")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise BayesifyError(f"--out {out} exists and is not a directory")
+    if not _writable(out):
+        raise BayesifyError(f"--out {out} cannot be created or written to")
+    if args.resume not in ("auto", "none") and not Path(args.resume).exists():
+        raise BayesifyError(f"--resume {args.resume} does not exist (use 'auto' or 'none')")
+    layout = inspect_image_folder(args.data)
+    classes = layout.classes
+    if args.num_classes is not None and args.num_classes < len(classes):
+        raise BayesifyError(f"--num-classes {args.num_classes} is smaller than the "
+                            f"{len(classes)} class folders in {layout.root / 'train'}")
+    num_classes = args.num_classes or len(classes)
+    where = ("--num-classes" if args.num_classes else
+             f"--data ({len(classes)} class folders in {layout.root / 'train'})")
+    model = create_model(args.model, num_classes=num_classes, pretrained=args.pretrained,
+                         weights=args.weights, checkpoint=args.checkpoint, classes_from=where)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plan = plan_batches(layout.counts["train"], batch_size=args.batch_size, world_size=world,
+                        bn_train=args.train_bn)
+    if layout.counts["val"] == 0:
+        raise BayesifyError(f"{layout.root / 'val'} holds no images")
+    workers = default_workers() if args.workers is None else args.workers
+    return {"options": options, "model": model, "classes": classes, "plan": plan,
+            "workers": workers, "num_classes": num_classes}
+
+
+def _final_metrics(bnn: Any, history: list[dict], val_loader: Any, args: argparse.Namespace,
+                   ctx: Any, amp: bool, channels_last: bool) -> dict[str, Any]:
+    """The last epoch's validation when it used the prediction setting; else one evaluation."""
+    last = history[-1] if history else {}
+    if args.val_samples is None and "val_nll" in last:
+        x = next(iter(val_loader))[0][:1]
+        members = int(bnn.predictor().member_logits(x).shape[0])
+        return {"n": len(val_loader.dataset), "members": members,
+                **{k[len("val_"):]: v for k, v in last.items() if k.startswith("val_")}}
+    return evaluate_sharded(bnn, val_loader, ctx, samples_per_component=None, amp=amp,
+                            channels_last=channels_last)
+
+
+def _write_posterior(bnn: Any, out: Path, extra: dict[str, Any]) -> list[Path]:
+    """``OUT/posterior`` written as ``posterior.incomplete`` first, renamed when complete."""
+    staging, final = out / "posterior.incomplete", out / "posterior"
+    shutil.rmtree(staging, ignore_errors=True)
+    files = save_posterior_files(bnn, staging, extra=extra)
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    return [final / f.name for f in files]
+
+
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    method, given = peek_method(argv)
+    parser = build_parser(method if method in list_methods() else "ibnn", show_family=given)
+    args = parser.parse_args(argv)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        ready = preflight(args)
+    except BayesifyError as err:
+        if rank0:
+            print(f"{PROG}: error: {err}\n(nothing was trained or written; see "
+                  f"`{PROG} --method {args.method} --help`)", file=sys.stderr)
+        raise SystemExit(2) from None
+
     out = Path(args.out)
     ctx = setup_distributed(args.device, torch.device(args.device))
+    cuda = ctx.device.type == "cuda"
+    amp = args.amp if args.amp is not None else cuda
+    channels_last = args.channels_last if args.channels_last is not None else cuda
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(out / "posterior.incomplete", ignore_errors=True)  # an interrupted run's
         (out / "args.json").write_text(json.dumps(vars(args), indent=2, default=str))
-
-    model, info = load_model(args.model, pretrained=args.pretrained, checkpoint=args.checkpoint,
-                             num_classes=args.num_classes, weights=args.weights)
-    train_tf, eval_tf = build_transforms(model, info, image_size=args.image_size)
+    train_tf, eval_tf = model_transforms(ready["model"], args.model, image_size=args.image_size,
+                                         weights=args.weights)
     train_loader, val_loader, classes = image_folder_loaders(
-        args.data, train_tf, eval_tf, batch_size=args.batch_size, workers=args.workers,
-        eval_batch_size=args.eval_batch_size, pin_memory=ctx.device.type == "cuda")
+        args.data, train_tf, eval_tf, plan=ready["plan"], workers=ready["workers"],
+        eval_batch_size=args.eval_batch_size, pin_memory=cuda)
 
     torch.manual_seed(args.seed)  # same posterior init on every rank (DDP broadcasts anyway)
-    bnn = bayesify(model, args.method, **method_options(args, args.method))
+    bnn = bayesify(ready["model"], args.method, **ready["options"])
+    bnn.bn_train = bool(args.train_bn)
     if ctx.is_main:
         print(bnn.summary(), flush=True)
-        print(f"{len(classes)} classes; {ctx.world_size} process(es); global batch "
-              f"{args.batch_size * ctx.world_size}", flush=True)
+        print(f"{len(classes)} classes (from {args.data}/train); {ready['plan'].describe()}; "
+              f"{ready['workers']} loader worker(s) per process", flush=True)
 
     resume = None
     if args.resume == "auto":
@@ -170,25 +275,30 @@ def main(argv: list[str] | None = None) -> dict:
         kl_anneal_epochs=args.kl_anneal_epochs, optimizer=args.optimizer,
         momentum=args.momentum, weight_decay=args.weight_decay,
         base_weight_decay=args.base_weight_decay, grad_accum_steps=args.grad_accum_steps,
-        clip_grad_norm=args.clip_grad_norm, seed=args.seed, device=ctx.device, amp=args.amp,
-        channels_last=args.channels_last, compile=args.compile, val_loader=val_loader,
+        clip_grad_norm=args.clip_grad_norm, seed=args.seed, device=ctx.device, amp=amp,
+        channels_last=channels_last, compile=args.compile, val_loader=val_loader,
         val_every=args.val_every, val_samples_per_component=args.val_samples, log_dir=out,
         checkpoint_dir=out / "checkpoints", checkpoint_every_steps=args.checkpoint_every_steps,
         keep_checkpoints=args.keep_checkpoints, resume=resume,
         progress=not args.no_progress and ctx.is_main,
     )
-    amp = args.amp if args.amp is not None else ctx.device.type == "cuda"
-    final = evaluate_sharded(bnn, val_loader, ctx, samples_per_component=None,
-                             amp=amp, channels_last=args.channels_last)
+    final = _final_metrics(bnn, result.history, val_loader, args, ctx, amp, channels_last)
     if ctx.is_main:
-        save_posterior_files(bnn, out / "posterior", extra={"model": args.model,
-                                                            "classes": classes})
+        # run.json lets `bayesify calibrate/evaluate/export --posterior OUT/posterior` rebuild
+        # the base model and the data without repeating the flags
+        run = {"model": args.model, "classes": classes, "data": str(Path(args.data).resolve()),
+               "image_size": args.image_size, "pretrained": args.pretrained,
+               "checkpoint": (str(Path(args.checkpoint).resolve()) if args.checkpoint
+                              else None), "method": args.method}
+        written = _write_posterior(bnn, out, run)
         (out / "final_metrics.json").write_text(json.dumps(final, indent=2))
-        print(json.dumps({"final": final, "last_epoch": result.history[-1]}, default=float),
-              flush=True)
+        written += [out / "args.json", out / "history.jsonl", out / "final_metrics.json",
+                    *list_checkpoints(out / "checkpoints")]
+        print(json.dumps({"final": final}, default=float), flush=True)
+        print("wrote " + ", ".join(str(p) for p in written if p.exists()), flush=True)
     cleanup_distributed()
     return final
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

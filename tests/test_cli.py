@@ -57,7 +57,20 @@ def test_digits_fit_calibrate_evaluate_export(tmp_path, capsys):
     spec = json.loads((run / "run.json").read_text())
     assert spec["model"] == "digits-cnn" and spec["data"] == "digits"
 
-    assert main(["calibrate", "--posterior", str(run), "--no-progress"]) == 0
+    printed = capsys.readouterr()
+    wrote = printed.out.strip().splitlines()[-1]
+    for name in ("posterior.safetensors", "bayesify.json", "base.safetensors", "run.json",
+                 "history.jsonl"):  # the closing summary lists every file written
+        assert f"{run / name}" in wrote, (name, wrote)
+    assert not (tmp_path / "run.incomplete").exists()
+
+    # --method is the posterior family in every command; calibrate's method is --calibration
+    assert main(["calibrate", "--posterior", str(run), "--method", "temperature"]) == 2
+    assert "--calibration" in capsys.readouterr().err
+    assert not (run / "calibration.json").exists()
+    assert main(["calibrate", "--posterior", str(run), "--method", "ibnn", "--calibration",
+                 "temperature", "--no-progress"]) == 0
+    assert "calibration.json" in capsys.readouterr().out.strip().splitlines()[-1]
     calibration = json.loads((run / "calibration.json").read_text())
     assert calibration["nll_after"] <= calibration["nll_before"]
     assert (run / "calibration_reliability.png").is_file()
@@ -118,7 +131,7 @@ def test_preprocessing_comes_from_the_model(image_folder):
 
     expected = transform(Image.open(path).convert("RGB"))
     assert torch.equal(data.train[0][0], expected) and expected.shape == (3, 32, 32)
-    tv = sources.model_transform(model, "torchvision:resnet18", image_size=32)
+    _, tv = sources.model_transforms(model, "torchvision:resnet18", image_size=32)
     assert tv(Image.open(path).convert("RGB")).shape == (3, 32, 32)
 
 
@@ -138,7 +151,7 @@ def test_bad_inputs_are_clear_errors(image_folder, tmp_path, capsys):
     sources.save_checkpoint(sources.create_model("digits-cnn", num_classes=5), tmp_path / "w.safetensors")
     assert main(["evaluate", "--model", "timm:resnet18", "--checkpoint",
                  str(tmp_path / "w.safetensors"), "--no-progress"]) == 2
-    assert "does not fit" in capsys.readouterr().err
+    assert "do not fit" in capsys.readouterr().err
     assert main(["fit", "--option", "components", "--no-progress"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
 
@@ -148,3 +161,89 @@ def test_methods_command_still_lists_families(capsys):
     assert "ibnn" in capsys.readouterr().out.split()
     assert main(["methods", "ibnn"]) == 0
     assert "components" in capsys.readouterr().out
+
+
+def _help(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_fit_help_per_family(capsys):
+    from bayesify.core.registry import get_method_class, list_methods
+
+    generic = _help(["fit", "--help"], capsys)
+    assert "--method NAME --help" in generic and "--components" not in generic
+    assert "from --posterior" not in generic  # fit has no --posterior
+    assert len(generic.splitlines()) < 100
+    ibnn = _help(["fit", "--method", "ibnn", "--help"], capsys)
+    assert "--components V" in ibnn and "(default: 4)" in ibnn and "--cfg-" not in ibnn
+    assert "--per-member-bn" not in ibnn  # another family's option
+    for method in list_methods():
+        text = _help(["fit", "--method", method, "--help"], capsys)
+        assert len(text.splitlines()) < 170, method
+        for name, default, _ in get_method_class(method).config_cls.describe():
+            flag = "--" + name.replace("_", "-")
+            renamed = f"--{method}-{name.replace('_', '-')}"
+            assert flag in text or renamed in text, (method, name)
+    swag = _help(["fit", "--method", "swag", "--help"], capsys)
+    assert "--swag-lr V" in swag and "--swag-momentum V" in swag  # trainer owns --lr
+
+
+def test_version(capsys):
+    from bayesify import __version__
+
+    assert _help(["--version"], capsys).strip() == f"bayesify {__version__}"
+
+
+def test_fit_refuses_bad_arguments_before_any_work(tmp_path, capsys, monkeypatch):
+    from bayesify.data import models
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("MAP training started before the arguments were checked")
+
+    monkeypatch.setattr(models, "train_map", no_training)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--method", "nope", "--out", str(run)])
+    assert done.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
+    for argv, message in (
+        (["--option", "bogus=1"], "unknown option(s) ['bogus']"),
+        (["--components", "0"], "components"),
+        (["--fit-option", "bogus=1"], "unknown fit option(s) ['bogus']"),
+        (["--data", str(tmp_path / "missing")], "is not a directory"),
+        (["--checkpoint", str(tmp_path / "none.pt")], "does not exist"),
+        (["--epochs", "0"], "--epochs must be >= 1"),
+    ):
+        assert main(["fit", "--out", str(run), "--no-progress", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+        assert not run.exists() and not (tmp_path / "run.incomplete").exists()
+
+
+def test_failed_fit_leaves_no_partial_outputs(tmp_path, capsys):
+    run = tmp_path / "run"
+    stale = tmp_path / "run.incomplete"
+    stale.mkdir()
+    (stale / "junk.bin").write_text("left by an interrupted run")
+    # passes the checks, fails inside training: nothing reaches RUN, staging is removed
+    assert main(["fit", "--map-epochs", "1", "--epochs", "1", "--out", str(run), *FAST,
+                 "--fit-option", "lr_schedule=\"bogus\""]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert not run.exists() and not stale.exists()
+
+
+def test_class_count_from_folder_checked_against_checkpoint_head(image_folder, tmp_path,
+                                                                  capsys):
+    model = sources.create_model("torchvision:resnet18", num_classes=5)
+    torch.save(model.state_dict(), tmp_path / "r18_5.pth")
+    out = tmp_path / "eval"
+    assert main(["evaluate", "--data", str(image_folder), "--model", "torchvision:resnet18",
+                 "--checkpoint", str(tmp_path / "r18_5.pth"), "--image-size", "32",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "5-class head" in err and "3 classes" in err and "fc.weight" in err
+    assert not out.exists()
+    # no class count given anywhere: the checkpoint's head decides
+    again = sources.create_model("torchvision:resnet18", checkpoint=tmp_path / "r18_5.pth")
+    assert again.fc.out_features == 5

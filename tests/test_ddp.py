@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import fit
 from bayesify.train.data import GlobalBatchSampler
-from bayesify.train.loop import _closes_group
+from bayesify.train.steps import _closes_group
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "ddp_scripts" / "fit_digits.py"

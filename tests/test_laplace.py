@@ -128,7 +128,8 @@ def test_probit_and_bridge_predictive_match_brute_force(problem, structure):
     alpha = (1 - 2 / 3 + mu.exp() / 9 * torch.exp(-mu).sum(1, keepdim=True)) / sf.diagonal(dim1=1, dim2=2)
     bridge = alpha / alpha.sum(1, keepdim=True)
     bnn_b = fitted(net, loader, structure=structure, prior_precision=tau, link="bridge")
-    torch.testing.assert_close(bnn_b.member_logits(x)[0].exp(), bridge, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(bnn_b.predictor()(x).probs.double(), bridge.float().double(),
+                               atol=TOL, rtol=TOL)
 
 
 def test_mc_link_samples_the_glm_predictive(problem):
@@ -191,7 +192,7 @@ def test_errors_are_explicit(problem):
     with pytest.raises(BayesifyError, match="structure"):
         bayesify(net, "laplace", structure="block")
     conv = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2))
-    with pytest.raises(BayesifyError, match="Linear classifier"):
+    with pytest.raises(BayesifyError, match="exactly one Linear target"):
         bayesify(conv, "laplace", structure="kron", targets=["0"])
 
 

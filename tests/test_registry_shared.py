@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import BayesianLayer, BayesifyError, bayesify, get_method_class, list_methods
 from bayesify.data.models import DigitsCNN
-from bayesify.train.loop import build_optimizer
+from bayesify.train.steps import build_optimizer
 
 #: options under which ``deterministic()`` is exactly the base network
 IDENTITY_OPTIONS: dict[str, dict] = {

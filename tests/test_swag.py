@@ -10,8 +10,9 @@ from torch import nn
 from torch.optim.swa_utils import update_bn
 from torch.utils.data import DataLoader, TensorDataset
 
-from bayesify import BayesifyError, bayesify, fit
+from bayesify import BayesifyError, bayesify, fit, load_posterior
 from bayesify.methods.swag import posterior as swag_posterior
+from bayesify.train.evaluate import per_example_stats
 
 
 def mlp() -> nn.Module:
@@ -35,10 +36,20 @@ def data(shape: tuple[int, ...], n: int = 40, dtype=torch.float64, batch: int = 
 
 def test_moments_match_naive_reference_from_snapshots():
     loader = data((4,))
-    bnn = bayesify(mlp(), "swag", max_rank=4, snapshot_every_steps=2, lr=0.05)
+    base = mlp()
+    original = [p.detach().clone() for p in base.parameters()]
+    bnn = bayesify(base, "swag", max_rank=4, snapshot_every_steps=2, lr=0.05)
     snaps: list[torch.Tensor] = []
-    fit(bnn, loader, epochs=3, progress=False,
-        snapshot_callback=lambda t, values: snaps.append(torch.cat([v.reshape(-1) for v in values.values()])))
+
+    class Snapshots:  # the loop's own callbacks see every iterate the family collects
+        def on_step_end(self, state, terms):
+            if state.global_step % 2 == 0:
+                params = dict(state.bnn.named_posterior_parameters())
+                keys = swag_posterior.parameter_keys(state.bnn.method._layers(state.bnn))
+                snaps.append(torch.cat([params[name].detach().reshape(-1).clone()
+                                        for name, _, _ in keys]))
+
+    fit(bnn, loader, epochs=3, progress=False, callbacks=[Snapshots()])
     layers = bnn.method._layers(bnn)
     theta = torch.stack(snaps)  # [T, P]
     t = theta.shape[0]
@@ -53,8 +64,12 @@ def test_moments_match_naive_reference_from_snapshots():
     torch.testing.assert_close(dev[order], naive_dev, atol=1e-12, rtol=1e-10)
     low_rank = naive_dev.T @ naive_dev / 3
     torch.testing.assert_close(dev.T @ dev / 3, low_rank, atol=1e-12, rtol=1e-10)
-    # the base weights now hold θ̄ (the SWA network)
-    torch.testing.assert_close(torch.cat([p.reshape(-1) for p in bnn.base_parameters()]), theta.mean(0))
+    # the working copies now hold θ̄ (the SWA network); the base weights never moved
+    params = dict(bnn.named_posterior_parameters())
+    torch.testing.assert_close(
+        torch.cat([params[n].reshape(-1) for n, _, _ in swag_posterior.parameter_keys(layers)]),
+        theta.mean(0))
+    assert all(torch.equal(a, b) for a, b in zip(original, bnn.base_parameters()))
 
 
 def test_sample_formula_and_covariance():
@@ -145,13 +160,13 @@ def test_errors_are_explicit():
     with pytest.raises(BayesifyError, match="variant"):
         bayesify(mlp(), "swag", variant="multiswag")
     bnn = bayesify(mlp(), "swag", snapshot_every=5.0)
-    with pytest.raises(BayesifyError, match="no SWAG snapshot"):
+    with pytest.raises(BayesifyError, match="would collect 0 snapshot"):
         fit(bnn, data((4,)), epochs=1, progress=False)
     with pytest.raises(BayesifyError, match="unknown fit option"):
         fit(bayesify(mlp(), "swag"), data((4,)), progress=False, bogus=1)
 
 
-def test_scale_chosen_on_validation_matches_brute_force_and_round_trips():
+def test_scale_chosen_on_validation_matches_brute_force_and_round_trips(tmp_path):
     loader, val = data((4,)), data((4,), n=24, batch=5)
     grid = (0.1, 100.0, 4)
     chosen = {}
@@ -159,14 +174,14 @@ def test_scale_chosen_on_validation_matches_brute_force_and_round_trips():
         bnn = bayesify(mlp(), "swag", max_rank=4, snapshot_every_steps=2, lr=0.05, predict_samples=6,
                        scale_method="val_nll", scale_grid=grid, val_rule=rule)
         info = fit(bnn, loader, epochs=2, progress=False, val_loader=val)
-        chosen[rule] = bnn.method.scale
+        chosen[rule] = bnn.method.scale(bnn)
         assert info.history[-1]["scale"] == chosen[rule]
     # brute force: the predictive of seed 0 at every grid scale, through the public predictor
     nll = []
     for scale in torch.logspace(-1, 2, 4, dtype=torch.float64).tolist():
-        bnn.method.scale = scale
+        bnn.state.set("swag_scale", scale)
         bnn.method._bn_cache.clear()
-        nll.append(bnn.predictor(seed=0)._stream(val, with_labels=True)["nll"].double())
+        nll.append(per_example_stats(bnn.predictor(seed=0), val, device=bnn.device)["nll"].double())
     means = torch.stack([v.mean() for v in nll])
     best = int(means.argmin())
     grid_values = torch.logspace(-1, 2, 4, dtype=torch.float64)
@@ -175,12 +190,11 @@ def test_scale_chosen_on_validation_matches_brute_force_and_round_trips():
     inside = torch.nonzero(means <= means[best] + se + 1e-9).flatten()
     assert chosen["one_se"] == pytest.approx(float(grid_values[int(inside[-1])]))
     assert chosen["one_se"] >= chosen["min"]
-    # the chosen scale travels with the posterior state
-    bnn.method.scale = chosen["one_se"]
-    state = bnn.method.posterior_state(bnn)
-    fresh = bayesify(mlp(), "swag", max_rank=4)
-    fresh.method.load_posterior_state(fresh, state)
-    assert fresh.method.scale == pytest.approx(chosen["one_se"])
+    # the chosen scale travels with the saved posterior
+    bnn.state.set("swag_scale", chosen["one_se"])
+    bnn.save_posterior(tmp_path)
+    fresh = load_posterior(mlp(), tmp_path)
+    assert fresh.method.scale(fresh) == pytest.approx(chosen["one_se"])
     with pytest.raises(BayesifyError, match="val_loader"):
         fit(bayesify(mlp(), "swag", scale_method="val_nll", snapshot_every_steps=1), loader,
             progress=False)

@@ -10,9 +10,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import bayesify, fit
 from bayesify.core.member_bn import MemberBatchNorm
+from bayesify.core.rank_one import gaussian_kl
 from bayesify.methods.ensemble.layers import EnsembleLayer
-from bayesify.methods.rank1.layers import gaussian_kl
-from bayesify.train.loop import build_optimizer
+from bayesify.train.steps import build_optimizer
 
 
 class Net(nn.Module):
@@ -200,10 +200,10 @@ def test_ensemble_members_are_independent() -> None:
 def test_snapshot_ensemble_collects_cycles() -> None:
     net = _net()
     bnn = bayesify(net, "ensemble", components=3, snapshot=True)
-    assert not bnn.method.gradient_trained
+    assert bnn.method.training == "snapshot"  # SGD steps of the one loop, one member per cycle
     loader = DataLoader(TensorDataset(X.repeat(2, 1, 1, 1), Y.repeat(2)), batch_size=5)
-    info = fit(bnn, loader, epochs=3, lr=0.05, progress=False)[0]
-    assert info["snapshots"] == 3 and info["steps"] == 6
+    result = fit(bnn, loader, epochs=3, lr=0.05, progress=False)
+    assert result.last["snapshots"] == 3 and sum(r["steps"] for r in result.history) == 6
     w = bnn.model.fc.member_weight
     assert not torch.allclose(w[0], w[1]) and not torch.allclose(w[1], w[2])
     assert not torch.allclose(w[0], net.fc.weight)

@@ -92,6 +92,13 @@ class Batch:
     def inputs_only(self) -> Batch:
         return Batch(self.args, self.kwargs, None)
 
+    def model_input(self) -> Any:
+        """What the families' forward helpers take: the tensor itself for a single
+        positional input, else this batch without labels."""
+        if len(self.args) == 1 and not self.kwargs and isinstance(self.args[0], torch.Tensor):
+            return self.args[0]
+        return self.inputs_only()
+
     # -- calling -----------------------------------------------------------------------
     def call(self, model: nn.Module | Callable[..., Any]) -> Any:
         return model(*self.args, **self.kwargs)

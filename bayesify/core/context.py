@@ -67,6 +67,12 @@ class SamplingContext:
         self.plan = SamplingPlan()
         self.force_deterministic = False
         self._layer_count = 0
+        #: counts top-level forward passes (every ``use`` block and every
+        #: ``BayesianModel.forward``): layers cache per-pass draws keyed by it
+        self.pass_id = 0
+
+    def new_pass(self) -> None:
+        self.pass_id += 1
 
     def next_layer_id(self) -> int:
         """A distinct id per injected layer (seeds its per-member noise stream)."""
@@ -85,6 +91,7 @@ class SamplingContext:
         seed: int | None = None,
     ) -> Iterator[SamplingPlan]:
         previous = self.plan
+        self.new_pass()
         det = previous.deterministic if deterministic is None else deterministic
         gen = generator if generator is not None else previous.generator
         self.plan = SamplingPlan(

@@ -13,6 +13,7 @@ from bayesify.core.model import BayesianModel
 from bayesify.core.registry import get_method_class
 from bayesify.core.walker import plan_targets, replace_modules
 from bayesify.errors import BayesifyError
+from bayesify.persistence import tensor_digests
 
 
 def bayesify(
@@ -50,12 +51,21 @@ def bayesify(
         )
     family = method_cls(config)
     plan = plan_targets(model, family)  # validates; raises before any change
+    family.validate_plan(model, plan.targets)
 
+    # every wrapper and extra module is built before the first setattr, so a failed
+    # call leaves the caller's model untouched (inplace=True included)
+    digests = tensor_digests(model.state_dict())
     target_model = model if inplace else copy.deepcopy(model)
     requires_grad = {n: p.requires_grad for n, p in target_model.named_parameters()}
     context = SamplingContext(family.components)
     modules = dict(target_model.named_modules())
     wrappers = {name: family.wrap(name, modules[name], context) for name in plan.targets}
+    extra = family.extra_wrappers(target_model, context, list(plan.targets))
+    clash = sorted(set(extra) & set(wrappers))
+    if clash:
+        raise BayesifyError(f"method {method!r} would wrap {clash[:3]} twice")
+    wrappers.update(extra)
     replace_modules(target_model, wrappers)
 
     bnn = BayesianModel(
@@ -65,6 +75,7 @@ def bayesify(
         targets=plan.targets,
         base_requires_grad=requires_grad,
         skipped=plan.skipped,
+        base_digests=digests,
     )
     if freeze_base:
         bnn.set_base_trainable(False)

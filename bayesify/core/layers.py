@@ -8,12 +8,23 @@ from torch import nn
 from bayesify.core.context import SamplingContext
 from bayesify.errors import BayesifyError
 
+#: shape/configuration attributes copied from the wrapped layer (read-only views)
+SHAPE_ATTRIBUTES = (
+    "in_features", "out_features", "in_channels", "out_channels", "kernel_size", "stride",
+    "padding", "dilation", "groups", "padding_mode", "transposed", "output_padding",
+    "num_features", "eps", "momentum", "affine", "track_running_stats",
+)
+
 
 class BayesianLayer(nn.Module):
     """Wraps ``base_layer``; subclasses add posterior parameters next to it.
 
-    Attribute reads that the wrapper does not define fall through to the base
-    layer, so parents that read ``child.weight`` / ``child.in_features`` still work.
+    The wrapper exposes ``base_layer`` and the shape attributes of the wrapped
+    layer (:data:`SHAPE_ATTRIBUTES`: ``in_features``, ``out_channels``,
+    ``kernel_size`` …) explicitly. ``weight`` / ``bias`` are the *effective mean*
+    tensors of the posterior (:meth:`mean_weight`) where a family defines one and
+    an ``AttributeError`` otherwise — never the stale pretrained tensor, which is
+    ``layer.base_layer.weight``.
     """
 
     def __init__(self, base_layer: nn.Module, context: SamplingContext) -> None:
@@ -22,13 +33,41 @@ class BayesianLayer(nn.Module):
         # a plain attribute (not a submodule): shared by every layer of one model
         object.__setattr__(self, "context", context)
         self.layer_id = context.next_layer_id()
+        for attr in SHAPE_ATTRIBUTES:
+            if attr in base_layer.__dict__ and not hasattr(type(self), attr):
+                object.__setattr__(self, attr, base_layer.__dict__[attr])
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            base = super().__getattr__("base_layer")
-            return getattr(base, name)
+            pass
+        if name in ("weight", "bias"):
+            raise AttributeError(
+                f"{type(self).__name__} has no single effective {name!r} (its posterior has "
+                f"no mean {name}); the pretrained tensor is .base_layer.{name}"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r} "
+                             "(the wrapped layer is .base_layer)")
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """Effective mean weight of the posterior (see :meth:`mean_weight`)."""
+        return self.mean_weight("weight")
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """Effective mean bias of the posterior (see :meth:`mean_weight`)."""
+        return self.mean_weight("bias")
+
+    def mean_weight(self, name: str) -> torch.Tensor | None:
+        """The posterior-mean value of the base tensor ``name`` ('weight'/'bias').
+
+        Families whose mean network is well defined override this; the default
+        raises ``AttributeError`` so a parent that reads ``child.weight`` fails
+        loudly instead of using a tensor the wrapper does not compute with.
+        """
+        raise AttributeError(name)
 
     def posterior_parameters(self) -> list[nn.Parameter]:
         """Parameters this layer adds (everything but ``base_layer``'s)."""

@@ -86,20 +86,20 @@ class MemberBatchNorm(BayesianLayer):
         return f"members={self.member_weight.shape[0]}, features={self.member_weight.shape[1]}"
 
 
-def install_member_batchnorm(bnn: nn.Module, components: int) -> list[str]:
-    """Replace every BatchNorm of ``bnn.model`` by a :class:`MemberBatchNorm`.
+def batchnorm_names(model: nn.Module, targets: list[str] = ()) -> list[str]:
+    """Qualified names of the BatchNorm layers of ``model`` outside the ``targets``."""
+    inside = tuple(f"{t}." for t in targets)
+    return [name for name, module in model.named_modules()
+            if name and isinstance(module, BATCHNORM_TYPES) and not name.startswith(inside)]
 
-    Returns the qualified names replaced. BatchNorms inside injected layers are left
-    alone (a :class:`MemberBatchNorm` never wraps twice).
+
+def member_batchnorm_wrappers(model: nn.Module, context: SamplingContext, components: int,
+                              targets: list[str] = ()) -> dict[str, MemberBatchNorm]:
+    """A :class:`MemberBatchNorm` for every BatchNorm of ``model`` (built, not installed).
+
+    The factory installs them together with the target wrappers, so a failed call
+    never leaves a half-modified model.
     """
-    model = bnn.model
-    names = [
-        name for name, module in model.named_modules()
-        if name and isinstance(module, BATCHNORM_TYPES) and ".base_layer" not in f".{name}"
-    ]
-    for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        module = getattr(parent, attr)
-        setattr(parent, attr, MemberBatchNorm(module, context=bnn.context, components=components))
-    return names
+    modules = dict(model.named_modules())
+    return {name: MemberBatchNorm(modules[name], context=context, components=components)
+            for name in batchnorm_names(model, targets)}

@@ -1,9 +1,23 @@
 """The protocol every posterior family implements.
 
-A family is a :class:`Method` subclass plus a config dataclass and its layers.
-Gradient-trained families expose ``kl``; post-hoc families (SWAG, Laplace)
-override :meth:`Method.fit`. Everything has a sensible default so a family only
-overrides what differs.
+A family is a :class:`Method` subclass plus a config dataclass and its layers,
+in one folder that imports only ``bayesify.core``. A family is made of a few
+explicit parts:
+
+* **structure**: the type → wrapper table (``wrappers``), ``validate_plan`` (checks
+  on the planned targets, before anything is built) and ``extra_wrappers`` (modules
+  besides the targets, e.g. per-member BatchNorm) — all built before the factory's
+  first ``setattr``;
+* **batch layout**: ``train_components`` / ``training_forward`` (how a training
+  batch is tiled over components) and ``member_logits`` (the predictive members);
+* **training** (``training`` selects the step of the one loop in
+  ``bayesify.train``): ``"elbo"`` — gradient steps on NLL + β·KL/N with ``kl`` and
+  an optional ``kl_weight``; ``"snapshot"`` — SGD steps whose iterates the family
+  collects in ``after_step`` (SWAG, snapshot ensembles); ``"curvature"`` — one
+  gradient-free pass feeding ``accumulate`` (Laplace). Every kind may finish with
+  ``finish_fit`` (e.g. BatchNorm statistics, a validation-tuned scale);
+* **state**: posterior parameters and buffers of the injected layers plus
+  family-level buffers in ``bnn.state``; persistence saves them generically.
 """
 
 from __future__ import annotations
@@ -14,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from bayesify.core.batch import Batch
 from bayesify.core.config import MethodConfig
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer
@@ -53,8 +68,10 @@ class Method:
     config_cls: ClassVar[type[MethodConfig]] = MethodConfig
     #: explicit type → wrapper table; isinstance match in this order
     wrappers: ClassVar[dict[type[nn.Module], type[BayesianLayer]]] = {}
-    #: families trained by the ELBO loop; post-hoc families set False
-    gradient_trained: ClassVar[bool] = True
+    #: the step of the one training loop: "elbo", "snapshot" or "curvature"
+    training: ClassVar[str] = "elbo"
+    #: fit options the family cannot honour (an error when given)
+    unsupported_fit_options: ClassVar[tuple[str, ...]] = ()
     #: whether ``deterministic()`` reproduces the base network at identity init
     has_identity: ClassVar[bool] = True
 
@@ -77,8 +94,52 @@ class Method:
                 return wrapper(module, context=context, config=self.config)
         raise TypeError(f"{self.name} cannot wrap {type(module).__name__}")
 
+    @property
+    def gradient_trained(self) -> bool:
+        """Whether ``fit`` takes gradient steps (every kind but "curvature")."""
+        return self.training != "curvature"
+
+    def validate_plan(self, model: nn.Module, targets: list[str]) -> None:
+        """Refuse a plan this family cannot use (called before anything is built)."""
+
+    def extra_wrappers(self, model: nn.Module, context: SamplingContext,
+                       targets: list[str]) -> dict[str, BayesianLayer]:
+        """Modules to install besides the target wrappers, by qualified name (built
+        from ``model`` but not installed: the factory installs everything at once)."""
+        return {}
+
     def prepare(self, bnn: BayesianModel) -> None:
-        """Hook run once after injection (e.g. per-member BatchNorm)."""
+        """Hook run once after injection: register family state in ``bnn.state``.
+        Must not change the module structure (that is ``extra_wrappers``)."""
+
+    # -- post-hoc parts of the one loop -----------------------------------------------
+    def unsupported_reason(self) -> str:
+        """Why ``unsupported_fit_options`` do not apply (part of the error message)."""
+        return "they do not apply to this family"
+
+    def fit_defaults(self) -> dict[str, Any]:
+        """``fit`` options this family sets when the caller leaves them at None."""
+        return {}
+
+    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
+        """Called once before the first step (not again on resume)."""
+
+    def before_step(self, bnn: BayesianModel, state: Any) -> None:
+        """Called before every optimiser step (snapshot: cyclic LR, member switch)."""
+
+    def after_step(self, bnn: BayesianModel, state: Any) -> None:
+        """Called after every optimiser step (snapshot: collect the iterate)."""
+
+    def accumulate(self, bnn: BayesianModel, inputs: Any, labels: torch.Tensor) -> torch.Tensor:
+        """Curvature step: add one batch's curvature; returns the summed loss ``[]``."""
+        raise NotImplementedError(f"{self.name} has no curvature step")
+
+    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any,
+                   ctx: Any, batch_fn: Any = None) -> dict[str, Any]:
+        """Called once after the last step: reduce, finalise and tune; returns a record.
+        ``train_loader`` is this rank's shard of the training data (every example once
+        over all ranks)."""
+        return {}
 
     def extra_posterior_parameters(self, bnn: BayesianModel) -> Iterator[tuple[str, nn.Parameter]]:
         """Posterior tensors living outside the injected layers (e.g. shared generators)."""
@@ -99,11 +160,12 @@ class Method:
         self, bnn: BayesianModel, x: torch.Tensor, y: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[R, C]`` and targets ``[R]`` of one tiled training batch."""
-        comp = self.train_components(x.shape[0], x.device)
-        reps = comp.shape[0] // x.shape[0]
+        rows, device = batch_rows(x), batch_device(x)
+        comp = self.train_components(rows, device)
+        reps = comp.shape[0] // rows
         xt, yt = tile(x, reps), tile(y, reps)
         with bnn.context.use(comp):
-            logits = logits_of(bnn.model(xt))
+            logits = logits_of(call_model(bnn.model, xt))
         return logits, yt
 
     def kl(self, bnn: BayesianModel) -> torch.Tensor:
@@ -112,10 +174,6 @@ class Method:
         for layer in bnn.bayesian_layers().values():
             total = total + layer.kl().to(total.device, torch.float32)
         return total
-
-    def fit(self, bnn: BayesianModel, loader: Any, **kwargs: Any) -> dict[str, Any] | None:
-        """Post-hoc fitting (SWAG, Laplace). Gradient families return ``None``."""
-        return None
 
     # -- prediction ------------------------------------------------------------------
     def member_components(self, samples_per_component: int, device: torch.device) -> torch.Tensor:
@@ -138,12 +196,13 @@ class Method:
         Member ``m`` has component ``members[m]``; its noise is drawn once per
         member (seeded by ``seed``), so the M members are M fixed networks.
         """
-        members = self.member_components(samples_per_component, x.device)
-        num_members, batch = members.shape[0], x.shape[0]
+        device = batch_device(x)
+        members = self.member_components(samples_per_component, device)
+        num_members, batch = members.shape[0], batch_rows(x)
         per_chunk = max(1, max_rows // max(batch, 1))
         outs = []
         for start in range(0, num_members, per_chunk):
-            ids = torch.arange(start, min(start + per_chunk, num_members), device=x.device)
+            ids = torch.arange(start, min(start + per_chunk, num_members), device=device)
             with bnn.context.use(
                 members[ids].repeat_interleave(batch),
                 deterministic=deterministic,
@@ -151,29 +210,22 @@ class Method:
                 num_members=num_members,
                 seed=seed,
             ):
-                logits = logits_of(bnn.model(tile(x, ids.shape[0])))
+                logits = logits_of(call_model(bnn.model, tile(x, ids.shape[0])))
             outs.append(logits.reshape(ids.shape[0], batch, -1))
         return torch.cat(outs, dim=0)
 
-    # -- persistence and export ------------------------------------------------------
-    def posterior_state(self, bnn: BayesianModel) -> dict[str, torch.Tensor]:
-        """Non-parameter tensors the posterior needs (e.g. SWAG moments as buffers).
+    def predictive(self, bnn: BayesianModel, x: Any, *, samples_per_component: int,
+                   max_rows: int, seed: int | None = None, deterministic: bool = False) -> Any:
+        """The raw (temperature 1) :class:`~bayesify.predict.prediction.Prediction` of
+        ``x``: member logits by default; a family with a closed-form predictive
+        returns a Gaussian over the logits instead."""
+        from bayesify.core.prediction import Prediction
 
-        Keys are base-model module names (``"layer1.0.conv1.sq_mean"``); they are
-        saved next to ``named_posterior_parameters`` by ``save_posterior``.
-        """
-        return {}
+        return Prediction(self.member_logits(
+            bnn, x, samples_per_component=samples_per_component, max_rows=max_rows, seed=seed,
+            deterministic=deterministic).float())
 
-    def load_posterior_state(self, bnn: BayesianModel, state: dict[str, torch.Tensor]) -> None:
-        """Restore what :meth:`posterior_state` returned (keys already checked)."""
-        if state:
-            from bayesify.errors import BayesifyError
-
-            raise BayesifyError(
-                f"method {self.name!r} keeps no posterior state, but the file holds "
-                f"{sorted(state)[:5]}; it was written by a different family or version"
-            )
-
+    # -- export ------------------------------------------------------------------------
     def export_module(
         self,
         bnn: BayesianModel,
@@ -218,8 +270,27 @@ class Method:
         return int(getattr(self.config, "predict_samples", 1))
 
 
-def tile(x: torch.Tensor, reps: int) -> torch.Tensor:
-    """``[B, ...]`` → ``[reps·B, ...]`` in blocks: row ``r`` is example ``r % B``."""
+def tile(x: Any, reps: int) -> Any:
+    """``[B, ...]`` → ``[reps·B, ...]`` in blocks: row ``r`` is example ``r % B``.
+
+    ``x`` is a tensor or a :class:`~bayesify.core.batch.Batch` (every input tiled)."""
     if reps == 1:
         return x
+    if isinstance(x, Batch):
+        return x.tile(reps)
     return x.repeat(reps, *([1] * (x.dim() - 1)))
+
+
+def call_model(model: Any, inputs: Any) -> Any:
+    """``model(x)`` for a tensor, ``model(*args, **kwargs)`` for a :class:`Batch`."""
+    if isinstance(inputs, Batch):
+        return inputs.call(model)
+    return model(inputs)
+
+
+def batch_rows(inputs: Any) -> int:
+    return inputs.size if isinstance(inputs, Batch) else int(inputs.shape[0])
+
+
+def batch_device(inputs: Any) -> torch.device:
+    return inputs.device

@@ -20,6 +20,23 @@ if TYPE_CHECKING:
 _BN_TYPES = (nn.modules.batchnorm._BatchNorm,)
 
 
+class PosteriorState(nn.Module):
+    """Family-level posterior state held as buffers (e.g. SWAG's covariance scale,
+    Laplace's training loss, the predictive temperature), saved and loaded with the
+    posterior and checkpoints like every other buffer. Families register entries in
+    ``Method.prepare`` with fixed shapes, so loading is strict."""
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        self.register_buffer(name, value.detach().clone())
+
+    def set(self, name: str, value: torch.Tensor | float) -> None:
+        buffer = self.get_buffer(name)
+        buffer.copy_(torch.as_tensor(value, dtype=buffer.dtype).reshape(buffer.shape))
+
+    def value(self, name: str) -> float:
+        return float(self.get_buffer(name).reshape(-1)[0])
+
+
 class BayesianModel(nn.Module):
     """A network with posteriors injected around its target layers.
 
@@ -37,6 +54,7 @@ class BayesianModel(nn.Module):
         targets: list[str],
         base_requires_grad: dict[str, bool],
         skipped: dict[str, str] | None = None,
+        base_digests: dict[str, str] | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -45,6 +63,10 @@ class BayesianModel(nn.Module):
         self.targets = list(targets)
         self.skipped = dict(skipped or {})
         self._base_requires_grad = dict(base_requires_grad)
+        #: sha256 of every base ``state_dict`` tensor when the model was wrapped
+        self.base_digests = dict(base_digests or {})
+        self.state = PosteriorState()
+        self.state.add("temperature", torch.ones((), dtype=torch.float64))
         self.bn_train = False
 
     # -- structure -------------------------------------------------------------------
@@ -76,6 +98,51 @@ class BayesianModel(nn.Module):
 
     def posterior_parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_posterior_parameters()]
+
+    def named_posterior_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Non-trainable posterior state: buffers the injected layers add (keyed by the
+        base model's module names) and family-level state (``bayesify.<name>``)."""
+        for name, layer in self.bayesian_layers().items():
+            for bname, b in layer.named_buffers():
+                if not bname.startswith("base_layer.") and ".base_layer." not in f".{bname}":
+                    yield f"{name}.{bname}", b
+        for bname, b in self.state.named_buffers():
+            yield f"bayesify.{bname}", b
+
+    def posterior_tensors(self) -> dict[str, torch.Tensor]:
+        """Everything the predictive needs beyond the base network, by name."""
+        return {**dict(self.named_posterior_parameters()), **dict(self.named_posterior_buffers())}
+
+    @property
+    def base_fingerprint(self) -> str:
+        """Fingerprint of the base weights as they were when the model was wrapped."""
+        from bayesify.persistence import fingerprint_from_digests
+
+        return fingerprint_from_digests(self.base_digests)
+
+    def changed_base_tensors(self) -> dict[str, torch.Tensor]:
+        """Base ``state_dict`` tensors that differ from the wrapped original (fine-tuned
+        with ``base_lr > 0`` or BatchNorm trained): saved with the posterior, like PEFT's
+        ``modules_to_save``."""
+        from bayesify.persistence import tensor_digest
+
+        changed = {}
+        for name, tensor in self.base_state_dict().items():
+            if self.base_digests.get(name) != tensor_digest(name, tensor):
+                changed[name] = tensor
+        return changed
+
+    def base_state_dict(self) -> dict[str, torch.Tensor]:
+        """The base network's ``state_dict`` under its original names (no wrappers)."""
+        out = {}
+        for name, layer in self.bayesian_layers().items():
+            for key, value in layer.base_layer.state_dict(keep_vars=True).items():
+                out[f"{name}.{key}"] = value
+        inside = tuple(f"{n}." for n in self.bayesian_layers())
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            if not key.startswith(inside):
+                out[key] = value
+        return {k: v.detach() for k, v in out.items()}
 
     def named_base_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         posterior = {id(p) for p in self.posterior_parameters()}
@@ -118,13 +185,14 @@ class BayesianModel(nn.Module):
         finally:
             self.context.force_deterministic = previous
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward of the wrapped model under the current sampling plan.
 
         Without an active plan rows are dealt to components round-robin and noise
         is sampled (inside :meth:`deterministic`: posterior means).
         """
-        return self.model(x, *args, **kwargs)
+        self.context.new_pass()
+        return self.model(*args, **kwargs)
 
     def training_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tiled logits ``[R, C]`` and targets ``[R]`` for one training batch."""
@@ -141,6 +209,15 @@ class BayesianModel(nn.Module):
         """``[M, B, C]`` logits of every predictive member (M fixed networks per seed)."""
         n = samples_per_component or self.method.default_samples_per_component()
         return self.method.member_logits(
+            self, x, samples_per_component=n, max_rows=max_rows, seed=seed,
+            deterministic=self.context.force_deterministic,
+        )
+
+    def predictive(self, x: Any, *, samples_per_component: int | None = None,
+                   max_rows: int = 4096, seed: int | None = 0) -> Any:
+        """The raw :class:`~bayesify.predict.prediction.Prediction` (members or moments)."""
+        n = samples_per_component or self.method.default_samples_per_component()
+        return self.method.predictive(
             self, x, samples_per_component=n, max_rows=max_rows, seed=seed,
             deterministic=self.context.force_deterministic,
         )
@@ -167,15 +244,11 @@ class BayesianModel(nn.Module):
         Its ``state_dict`` equals the original's bit for bit (unless base weights
         were fine-tuned); ``requires_grad`` flags are restored.
         """
+        from bayesify.core.walker import replace_modules
+
         model = copy.deepcopy(self.model)
-        for name, module in list(model.named_modules()):
-            if isinstance(module, BayesianLayer):
-                parent_name, _, attr = name.rpartition(".")
-                parent = model.get_submodule(parent_name) if parent_name else model
-                setattr(parent, attr, module.base_layer)
-        restore = getattr(self.method, "restore_unwrapped", None)
-        if restore is not None:
-            restore(self, model)
+        replace_modules(model, {name: module.base_layer for name, module in model.named_modules()
+                                if isinstance(module, BayesianLayer)})
         for name, p in model.named_parameters():
             p.requires_grad_(self._base_requires_grad.get(name, True))
         return model

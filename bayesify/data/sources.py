@@ -1,8 +1,5 @@
-"""Models and datasets named on the command line.
+"""Datasets named on the command line (models: :mod:`bayesify.data.model_source`).
 
-Models: ``digits-cnn`` (the demo CNN), ``timm:NAME`` or ``torchvision:NAME``,
-optionally with ``--checkpoint PATH`` (a ``state_dict`` read with
-``torch.load(weights_only=True)`` or safetensors; nothing is unpickled).
 Data: ``digits`` (the embedded scikit-learn digits protocol: classes 0–4 in
 distribution, 5–9 out of distribution) or an ImageFolder directory with
 ``train/`` and ``val/`` (and optionally ``test/``) subfolders, preprocessed the
@@ -14,149 +11,25 @@ without weights).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from bayesify.data.model_source import (  # noqa: F401  (re-exported for the CLI)
+    DIGITS_CNN,
+    create_model,
+    load_checkpoint,
+    model_transforms,
+    parse_model_spec,
+    read_state_dict,
+    save_checkpoint,
+)
 from bayesify.errors import BayesifyError
 
 DIGITS = "digits"
-DIGITS_CNN = "digits-cnn"
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def parse_model_spec(spec: str) -> tuple[str, str]:
-    """``"timm:resnet50"`` → ``("timm", "resnet50")``; ``"digits-cnn"`` → ``("digits-cnn", "")``."""
-    if spec == DIGITS_CNN:
-        return DIGITS_CNN, ""
-    source, _, name = spec.partition(":")
-    if source not in ("timm", "torchvision") or not name:
-        raise BayesifyError(f"unknown model {spec!r}; use 'digits-cnn', 'timm:NAME' "
-                            "(e.g. timm:resnet50) or 'torchvision:NAME' (e.g. torchvision:resnet50)")
-    return source, name
-
-
-def create_model(spec: str, *, num_classes: int, in_channels: int = 3,
-                 pretrained: bool = False, checkpoint: str | os.PathLike | None = None) -> nn.Module:
-    """Build the named model with ``num_classes`` outputs (eval mode), then load ``checkpoint``."""
-    source, name = parse_model_spec(spec)
-    if source == DIGITS_CNN:
-        if pretrained:
-            raise BayesifyError("digits-cnn has no hub weights: pass --checkpoint or let "
-                                "`bayesify fit` train it (--map-epochs)")
-        from bayesify.data.models import DigitsCNN
-
-        model: nn.Module = DigitsCNN(num_classes, in_channels=in_channels)
-    elif source == "timm":
-        import timm
-
-        try:
-            model = timm.create_model(name, pretrained=pretrained, num_classes=num_classes,
-                                      in_chans=in_channels)
-        except RuntimeError as err:  # timm raises RuntimeError for unknown names
-            raise BayesifyError(f"timm cannot create {name!r}: {err}") from err
-    else:
-        import torchvision
-
-        if name not in torchvision.models.list_models():
-            raise BayesifyError(f"torchvision has no model {name!r}; see "
-                                "torchvision.models.list_models()")
-        if pretrained and num_classes != 1000:
-            raise BayesifyError("torchvision hub weights have 1000 classes; for another head "
-                                "use timm:NAME --pretrained or --checkpoint PATH")
-        model = torchvision.models.get_model(
-            name, weights="DEFAULT" if pretrained else None, num_classes=num_classes)
-    if checkpoint is not None:
-        load_checkpoint(model, checkpoint)
-    return model.eval()
-
-
-def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """A ``state_dict`` from ``.safetensors`` or a torch file (``weights_only=True``).
-
-    Accepts a plain state dict or one nested under ``state_dict`` / ``model``;
-    strips a DDP ``module.`` prefix.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise BayesifyError(f"checkpoint {path} does not exist")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state: Any = load_file(str(path))
-    else:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise BayesifyError(f"cannot read {path} as a weights-only torch checkpoint "
-                                f"(pickled objects are refused): {err}") from err
-    for key in ("state_dict", "model", "model_state_dict", "module"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise BayesifyError(f"{path} does not hold a state_dict of tensors")
-    if state and all(k.startswith("module.") for k in state):
-        state = {k[len("module."):]: v for k, v in state.items()}
-    return state
-
-
-def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Load a state dict file into ``model`` strictly; mismatches are a ``BayesifyError``."""
-    state = read_state_dict(path)
-    hint = "(wrong --model or a different number of classes?)"
-    try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as err:  # shape mismatches
-        raise BayesifyError(f"checkpoint {path} does not fit {type(model).__name__}: "
-                            f"{err} {hint}") from err
-    if result.missing_keys or result.unexpected_keys:
-        raise BayesifyError(
-            f"checkpoint {path} does not fit {type(model).__name__}: missing "
-            f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]} {hint}"
-        )
-    return model
-
-
-def save_checkpoint(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Save ``model.state_dict()`` as safetensors (independent contiguous copies)."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu", copy=True).contiguous()
-               for k, v in model.state_dict().items()}, str(path))
-    return path
-
-
-def model_transform(model: nn.Module, spec: str, *, image_size: int | None = None,
-                    pretrained: bool = False) -> Callable:
-    """PIL image → tensor preprocessing the model expects (eval transforms)."""
-    from torchvision import transforms
-
-    source, name = parse_model_spec(spec)
-    if source == "timm":
-        from timm.data import create_transform, resolve_model_data_config
-
-        args = {"input_size": (3, image_size, image_size)} if image_size else None
-        return create_transform(**resolve_model_data_config(model, args=args), is_training=False)
-    if source == "torchvision" and pretrained and image_size is None:
-        import torchvision
-
-        return torchvision.models.get_model_weights(name).DEFAULT.transforms()
-    if source == "torchvision":
-        size = image_size or 224
-        return transforms.Compose([
-            transforms.Resize(round(size / 0.875)), transforms.CenterCrop(size),
-            transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ])
-    size = image_size or 32
-    return transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor()])
 
 
 @dataclass
@@ -170,9 +43,13 @@ class DataBundle:
     ood: Dataset | None = None
     class_names: list[str] = field(default_factory=list)
 
-    def loaders(self, *, batch_size: int = 64, seed: int = 0, workers: int = 0,
+    def loaders(self, *, batch_size: int = 64, seed: int = 0, workers: int | None = 0,
                 eval_batch_size: int | None = None) -> dict[str, DataLoader]:
-        """Shuffled (seeded) train loader and ordered evaluation loaders."""
+        """Shuffled (seeded) train loader and ordered evaluation loaders.
+
+        ``workers=None``: :func:`default_workers`. No batch is dropped.
+        """
+        workers = default_workers() if workers is None else int(workers)
         eval_bs = eval_batch_size or max(batch_size, 256)
         generator = torch.Generator().manual_seed(seed)
         out = {"train": DataLoader(self.train, batch_size=batch_size, shuffle=True,
@@ -184,24 +61,139 @@ class DataBundle:
         return out
 
 
-def _folder_split(root: Path, split: str) -> Path:
-    path = root / split
-    if not path.is_dir():
-        raise BayesifyError(f"--data {root}: expected an ImageFolder directory with train/ and "
-                            f"val/ subfolders (one folder per class inside each); {path} is missing")
-    return path
+# -- inference and checks shared by the CLI and the ImageNet script ----------------------
+def available_cpus() -> int:
+    """CPUs this process may run on (the affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_workers(*, processes: int | None = None, cap: int = 8) -> int:
+    """DataLoader workers per process from the CPUs available.
+
+    ``processes``: processes sharing this machine (default: torchrun's
+    ``LOCAL_WORLD_SIZE``, else 1). Each gets ``cpus // processes - 1`` workers
+    (one CPU stays with the training loop), at most ``cap``; with fewer than 3
+    CPUs per process, 0 (loading in the main process is faster than workers
+    competing for the same cores).
+    """
+    processes = processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    per_process = available_cpus() // max(processes, 1)
+    return 0 if per_process < 3 else min(cap, per_process - 1)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a training set of ``n`` examples splits into global batches.
+
+    ``batch_size`` is per process; the global batch is ``batch_size × world_size``.
+    ``dropped`` examples are left out of every epoch (``drop_last``).
+    """
+
+    n: int
+    batch_size: int
+    world_size: int
+    drop_last: bool
+    batches: int
+    dropped: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    def describe(self) -> str:
+        text = (f"{self.n} training images; batch {self.batch_size} per process × "
+                f"{self.world_size} process(es) = global batch {self.global_batch}; "
+                f"{self.batches} step(s) per epoch")
+        if self.dropped:
+            text += (f"; drop_last leaves out {self.dropped} image(s) per epoch (the last, "
+                     "partial global batch: BatchNorm statistics are trained)")
+        return text
+
+
+def plan_batches(n: int, *, batch_size: int, world_size: int = 1,
+                 bn_train: bool = False) -> BatchPlan:
+    """Global batches of an epoch; refuses a plan that yields no training step.
+
+    ``drop_last`` only where it is needed: when BatchNorm statistics are trained
+    (a small last batch per process would normalise over a handful of rows, a
+    single row is an error). Otherwise the last global batch is partial (padded
+    across processes by ``bayesify.fit``) and nothing is dropped.
+    """
+    if batch_size < 1:
+        raise BayesifyError(f"--batch-size must be >= 1, got {batch_size}")
+    if n < 1:
+        raise BayesifyError("the training split holds no images")
+    global_batch = batch_size * world_size
+    full, remainder = divmod(n, global_batch)
+    drop_last = bn_train and remainder > 0
+    batches = full + (0 if drop_last or remainder == 0 else 1)
+    if batches == 0:
+        largest = max(n // world_size, 1)
+        raise BayesifyError(
+            f"the training split has {n} images, fewer than one global batch of "
+            f"{global_batch} = --batch-size {batch_size} per process × {world_size} "
+            f"process(es); with trained BatchNorm the partial batch would be dropped and no "
+            f"step would run. Use --batch-size {largest} or less, or fewer processes"
+        )
+    return BatchPlan(n=n, batch_size=batch_size, world_size=world_size, drop_last=drop_last,
+                     batches=batches, dropped=remainder if drop_last else 0)
+
+
+@dataclass(frozen=True)
+class FolderLayout:
+    """What an ImageFolder ``--data`` directory holds (checked without decoding images)."""
+
+    root: Path
+    classes: list[str]
+    counts: dict[str, int]  # images per split
+
+    def has(self, split: str) -> bool:
+        return split in self.counts
+
+
+def inspect_image_folder(data: str | os.PathLike, *, required: tuple[str, ...] = ("train", "val"),
+                         optional: tuple[str, ...] = ("test",)) -> FolderLayout:
+    """Check the layout of ``--data``: split folders, class folders, images, same classes."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+    root = Path(data)
+    if not root.is_dir():
+        raise BayesifyError(f"--data {root} is not a directory; expected 'digits' or an "
+                            "ImageFolder directory with train/ and val/ subfolders")
+    classes: list[str] | None = None
+    counts: dict[str, int] = {}
+    for split in (*required, *optional):
+        path = root / split
+        if not path.is_dir():
+            if split in required:
+                raise BayesifyError(
+                    f"--data {root}: expected {' and '.join(s + '/' for s in required)} "
+                    f"subfolders (one folder per class inside each); {path} is missing")
+            continue
+        try:
+            found, index = find_classes(str(path))
+            samples = make_dataset(str(path), index, extensions=IMG_EXTENSIONS)
+        except FileNotFoundError as err:
+            raise BayesifyError(f"--data {root}: {split}/ is not a valid ImageFolder: "
+                                f"{err}") from err
+        if classes is None:
+            classes = found
+        elif found != classes:
+            raise BayesifyError(f"--data {root}: {split}/ has classes {found} but "
+                                f"{required[0]}/ has {classes}; every split needs the same "
+                                "class folders")
+        counts[split] = len(samples)
+    return FolderLayout(root=root, classes=list(classes or []), counts=counts)
 
 
 def data_classes(data: str) -> list[str]:
     """Class names of ``--data`` (digits: the in-distribution digits 0–4)."""
     if data == DIGITS:
         return [str(c) for c in range(5)]
-    from torchvision.datasets.folder import find_classes
-
-    try:
-        return find_classes(str(_folder_split(Path(data), "train")))[0]
-    except FileNotFoundError as err:
-        raise BayesifyError(f"--data {data}: {err}") from err
+    return inspect_image_folder(data).classes
 
 
 def model_input(spec: str, data: str, image_size: int | None) -> tuple[int, int | None]:
@@ -215,9 +207,8 @@ def model_input(spec: str, data: str, image_size: int | None) -> tuple[int, int 
 
 
 def build_data(data: str, model: nn.Module, spec: str, *, image_size: int | None = None,
-               pretrained: bool = False, seed: int = 0,
-               ood: str | os.PathLike | None = None) -> DataBundle:
-    """Datasets of ``--data`` preprocessed for ``model`` (see module docstring)."""
+               seed: int = 0, ood: str | os.PathLike | None = None) -> DataBundle:
+    """Datasets of ``--data`` preprocessed for ``model`` (eval transforms; see module docstring)."""
     channels, size = model_input(spec, data, image_size)
     if data == DIGITS:
         from bayesify.data.digits import load_digits_splits
@@ -227,14 +218,12 @@ def build_data(data: str, model: nn.Module, spec: str, *, image_size: int | None
                           num_classes=splits.num_classes, class_names=data_classes(data))
     from torchvision.datasets import ImageFolder
 
-    root = Path(data)
-    transform = model_transform(model, spec, image_size=size, pretrained=pretrained)
-    train = ImageFolder(str(_folder_split(root, "train")), transform=transform)
-    val = ImageFolder(str(_folder_split(root, "val")), transform=transform)
-    if val.classes != train.classes:
-        raise BayesifyError(f"train/ and val/ of {root} have different classes: "
-                            f"{train.classes} vs {val.classes}")
-    test = ImageFolder(str(root / "test"), transform=transform) if (root / "test").is_dir() else val
+    layout = inspect_image_folder(data)
+    _, transform = model_transforms(model, spec, image_size=size)
+    root = layout.root
+    train = ImageFolder(str(root / "train"), transform=transform)
+    val = ImageFolder(str(root / "val"), transform=transform)
+    test = ImageFolder(str(root / "test"), transform=transform) if layout.has("test") else val
     ood_set = ImageFolder(str(ood), transform=transform) if ood is not None else None
     return DataBundle(train=train, val=val, test=test, ood=ood_set,
                       num_classes=len(train.classes), class_names=list(train.classes))

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from bayesify import metrics
+from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
-from bayesify.predict.prediction import Prediction
 from bayesify.predict.predictor import BasePredictor, EnsemblePredictor, ModelPredictor
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bayesify.core.walker import replace_modules
 from bayesify.errors import BayesifyError
 from bayesify.predict.predictor import BasePredictor
 
@@ -246,10 +247,9 @@ def insert_dropout(model: nn.Module, p: float, *, skip_first: bool = True) -> nn
         raise BayesifyError(f"dropout p must lie in (0, 1), got {p}")
     model = copy.deepcopy(model)
     targets = [n for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
-    for name in targets[1:] if skip_first else targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, nn.Sequential(nn.Dropout(p), getattr(parent, attr)))
+    modules = dict(model.named_modules())
+    replace_modules(model, {name: nn.Sequential(nn.Dropout(p), modules[name])
+                            for name in (targets[1:] if skip_first else targets)})
     return model
 
 

@@ -8,35 +8,42 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify import metrics
-from bayesify.predict.prediction import Prediction
+from bayesify.core.batch import as_inputs, iter_batches
+from bayesify.core.prediction import Prediction
+from bayesify.errors import BayesifyError
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
 
-def _batches(loader: Iterable, device: torch.device) -> Iterable[tuple[torch.Tensor, torch.Tensor | None]]:
-    for batch in loader:
-        if isinstance(batch, (tuple, list)):
-            x, y = batch[0], batch[1] if len(batch) > 1 else None
-        else:
-            x, y = batch, None
-        yield x.to(device), None if y is None else y.to(device)
-
-
 class BasePredictor:
-    """Shared prediction/evaluation on top of ``member_logits(x) -> [M, B, C]``."""
+    """Shared prediction/evaluation on top of ``predict(inputs) -> Prediction``.
+
+    Every entry point takes batches by the convention of :mod:`bayesify.core.batch`:
+    ``predictor(x)``, ``predictor(**inputs)``, ``predictor(mapping)``; loaders of
+    ``(x, y)`` pairs or mappings with ``labels`` (``batch_fn=`` for other layouts).
+    """
 
     temperature: float = 1.0
+    batch_fn: Any = None
 
     @property
     def device(self) -> torch.device:
         raise NotImplementedError
 
-    def member_logits(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def member_logits(self, x: Any) -> torch.Tensor:
+        """``[M, B, C]`` raw (uncalibrated) member logits (Gaussian: fixed-seed samples)."""
+        return self.predict(x).member_logits
 
-    def __call__(self, x: torch.Tensor) -> Prediction:
-        return Prediction(self.member_logits(x) / self.temperature)
+    def predict(self, inputs: Any) -> Prediction:
+        """The raw (temperature 1) predictive of ``inputs`` (a tensor or a Batch)."""
+        return Prediction(self.member_logits(inputs))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Prediction:
+        inputs = as_inputs(*args, **kwargs)
+        if inputs.size == 0:
+            raise BayesifyError("the predictor got an empty batch (0 rows); pass at least one input")
+        return self.predict(inputs.to(self.device).model_input()).scaled(self.temperature)
 
     def calibrate(self, val_loader: Iterable, method: str = "temperature", **kwargs: Any) -> Any:
         """Fit ``self.temperature`` on validation data; see ``bayesify.predict.calibration``."""
@@ -44,7 +51,7 @@ class BasePredictor:
 
         return calibrate(self, val_loader, method=method, **kwargs)
 
-    def export(self, path: Any, example_input: torch.Tensor, format: str = "pt2", **kwargs: Any) -> Any:
+    def export(self, path: Any, example_input: Any, format: str = "pt2", **kwargs: Any) -> Any:
         """Save a plain ``x → (probs, epistemic)`` module; see ``bayesify.predict.export``."""
         from bayesify.predict.export import export_predictor
 
@@ -52,63 +59,39 @@ class BasePredictor:
 
     def collect(self, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Member logits ``[M, N, C]`` (CPU, uncalibrated) and labels ``[N]`` over a loader."""
-        logits, labels = [], []
-        for x, y in _batches(loader, self.device):
-            logits.append(self.member_logits(x).cpu())
-            if y is not None:
-                labels.append(y.cpu())
-        return torch.cat(logits, dim=1), (torch.cat(labels) if labels else None)
+        prediction, labels = self.collect_predictions(loader)
+        return prediction.member_logits, labels
+
+    def collect_predictions(self, loader: Iterable) -> tuple[Prediction, torch.Tensor | None]:
+        """The raw :class:`Prediction` (CPU) and labels ``[N]`` over a whole loader."""
+        parts, labels = [], []
+        for batch in iter_batches(loader, device=self.device, batch_fn=self.batch_fn):
+            parts.append(self.predict(batch.model_input()).to("cpu"))
+            if batch.labels is not None:
+                labels.append(batch.labels.cpu())
+        if not parts:
+            raise BayesifyError("the loader produced no batches")
+        return Prediction.cat(parts), (torch.cat(labels) if labels else None)
 
     def evaluate(self, loader: Iterable, ood_loader: Iterable | None = None, *, n_bins: int = 15) -> dict[str, Any]:
         """Accuracy, error, NLL, ECE, Brier, mean entropy/MI; OOD AUROC when given.
 
         Streams over the loader keeping only per-example statistics.
         """
-        stats = self._stream(loader, with_labels=True)
-        labels = stats["labels"]
-        probs = stats["probs"]
-        conf, pred = probs.max(-1)
-        correct = (pred == labels).float()
-        out: dict[str, Any] = {
-            "n": int(labels.numel()),
-            "members": int(stats["members"]),
-            "accuracy": correct.mean().item(),
-            "error": 1.0 - correct.mean().item(),
-            "nll": stats["nll"].mean().item(),
-            "ece": metrics.ece_from_confidence(conf, correct, n_bins),
-            "brier": metrics.per_example_brier(probs, labels).mean().item(),
-            "entropy": stats["entropy"].mean().item(),
-            "aleatoric": stats["aleatoric"].mean().item(),
-            "epistemic": stats["epistemic"].mean().item(),
-        }
+        from bayesify.train.evaluate import per_example_stats, summarize
+
+        stats = per_example_stats(self, loader, device=self.device, batch_fn=self.batch_fn)
+        out = summarize(stats, n_bins=n_bins)
         if ood_loader is not None:
-            ood = self._stream(ood_loader, with_labels=False)
-            num_classes = probs.shape[-1]
+            ood = per_example_stats(self, ood_loader, device=self.device, batch_fn=self.batch_fn,
+                                    labels=False)
+            num_classes = int(stats["num_classes"])
             out.update({
                 "ood_auroc_entropy": metrics.auroc(stats["entropy"], ood["entropy"]),
                 "ood_auroc_mi": metrics.auroc(stats["epistemic"], ood["epistemic"]),
                 "ood_entropy": ood["entropy"].mean().item(),
                 "ood_entropy_cdf_auc": metrics.entropy_cdf_auc(ood["entropy"], num_classes),
             })
-        return out
-
-    def _stream(self, loader: Iterable, *, with_labels: bool) -> dict[str, Any]:
-        keep: dict[str, list[torch.Tensor]] = {
-            k: [] for k in ("probs", "entropy", "aleatoric", "epistemic", "nll", "labels")
-        }
-        members = 0
-        for x, y in _batches(loader, self.device):
-            pred = self(x)
-            members = pred.num_members
-            keep["probs"].append(pred.probs.cpu())
-            keep["entropy"].append(pred.entropy.cpu())
-            keep["aleatoric"].append(pred.aleatoric.cpu())
-            keep["epistemic"].append(pred.epistemic.cpu())
-            if with_labels and y is not None:
-                keep["labels"].append(y.cpu())
-                keep["nll"].append(metrics.per_example_nll(pred.log_probs, y).cpu())
-        out = {k: torch.cat(v) if v else torch.empty(0) for k, v in keep.items()}
-        out["members"] = members
         return out
 
 
@@ -129,14 +112,16 @@ class ModelPredictor(BasePredictor):
         return torch.device("cpu")
 
     @torch.no_grad()
-    def member_logits(self, x: torch.Tensor) -> torch.Tensor:
-        from bayesify.core.method import logits_of
+    def member_logits(self, x: Any) -> torch.Tensor:
+        from bayesify.core.method import call_model, logits_of
 
+        if isinstance(x, torch.Tensor):
+            x = x.to(self.device)
         outs = []
         for model in self.models:
             was_training = model.training
             model.eval()
-            outs.append(logits_of(model(x.to(self.device))).float())
+            outs.append(logits_of(call_model(model, x)).float())
             model.train(was_training)
         return torch.stack(outs)
 
@@ -157,7 +142,8 @@ class EnsemblePredictor(BasePredictor):
         *,
         max_rows: int = 4096,
         seed: int = 0,
-        temperature: float = 1.0,
+        temperature: float | None = None,
+        batch_fn: Any = None,
     ) -> None:
         if samples_per_component is not None and samples_per_component <= 0:
             from bayesify.errors import BayesifyError
@@ -171,24 +157,38 @@ class EnsemblePredictor(BasePredictor):
         )
         self.max_rows = int(max_rows)
         self.seed = seed
-        self.temperature = float(temperature)
+        self.batch_fn = batch_fn
+        #: defaults to the temperature saved with the posterior (1 until calibrated)
+        self._temperature = None if temperature is None else float(temperature)
+
+    @property
+    def temperature(self) -> float:  # type: ignore[override]
+        if self._temperature is not None:
+            return self._temperature
+        return self.bnn.state.value("temperature")
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        """Setting it (``calibrate`` does) also stores it with the posterior."""
+        self._temperature = float(value)
+        self.bnn.state.set("temperature", float(value))
 
     @property
     def device(self) -> torch.device:
         return self.bnn.device
 
     @torch.no_grad()
-    def member_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``[M, B, C]`` raw (uncalibrated) member logits in eval mode."""
+    def predict(self, inputs: Any) -> Prediction:
+        """The raw predictive (members or moments) in eval mode."""
+        if isinstance(inputs, torch.Tensor):
+            inputs = inputs.to(self.device)
         was_training = self.bnn.training
         self.bnn.eval()
         try:
-            return self.bnn.member_logits(
-                x.to(self.device),
-                samples_per_component=self.samples_per_component,
-                max_rows=self.max_rows,
-                seed=self.seed,
-            ).float()
+            return self.bnn.predictive(
+                inputs, samples_per_component=self.samples_per_component,
+                max_rows=self.max_rows, seed=self.seed,
+            )
         finally:
             self.bnn.train(was_training)
 

@@ -17,6 +17,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from bayesify import metrics
+from bayesify.core.batch import iter_batches
+from bayesify.errors import BayesifyError
 from bayesify.train.data import ShardSampler, _loader_kwargs
 from bayesify.train.distributed import DistContext, all_gather_objects
 
@@ -41,31 +43,69 @@ def shard_loader(loader: Iterable, ctx: DistContext) -> Iterable:
 
 @torch.no_grad()
 def per_example_stats(predictor: Any, loader: Iterable, *, device: torch.device,
-                      amp: bool = False, channels_last: bool = False) -> dict[str, Any]:
-    """``{field: [n]}`` CPU tensors over ``loader`` (labels required), plus ``members``."""
+                      amp: bool = False, channels_last: bool = False,
+                      batch_fn: Any = None, labels: bool = True) -> dict[str, Any]:
+    """``{field: [n]}`` CPU tensors over ``loader``, plus ``members`` and ``num_classes``.
+
+    The one per-example statistics function (predictor evaluation, validation in
+    ``fit``, the CLI): NLL, confidence, correctness and Brier need labels (when
+    ``labels``); entropy, aleatoric and epistemic do not.
+    """
     keep: dict[str, list[torch.Tensor]] = {k: [] for k in _FIELDS}
-    members = 0
+    members, classes = 0, 0
     autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if amp
                 else contextlib.nullcontext())
-    for batch in loader:
-        x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
-        if channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
+    for batch in iter_batches(loader, device=device, batch_fn=batch_fn, channels_last=channels_last):
         with autocast:
-            pred = predictor(x)
+            pred = predictor(batch.inputs_only())
         members = pred.num_members
         probs = pred.probs.float()
-        conf, label = probs.max(-1)
-        keep["nll"].append(metrics.per_example_nll(pred.log_probs.float(), y).cpu())
-        keep["confidence"].append(conf.cpu())
-        keep["correct"].append((label == y).float().cpu())
-        keep["brier"].append(metrics.per_example_brier(probs, y).cpu())
+        classes = probs.shape[-1]
+        if labels:
+            y = batch.require_labels("evaluation")
+            _check_labels(y, classes)
+            conf, label = probs.max(-1)
+            keep["nll"].append(metrics.per_example_nll(pred.log_probs.float(), y).cpu())
+            keep["confidence"].append(conf.cpu())
+            keep["correct"].append((label == y).float().cpu())
+            keep["brier"].append(metrics.per_example_brier(probs, y).cpu())
         keep["entropy"].append(pred.entropy.float().cpu())
         keep["aleatoric"].append(pred.aleatoric.float().cpu())
         keep["epistemic"].append(pred.epistemic.float().cpu())
+    if not keep["entropy"]:
+        raise BayesifyError("the evaluation loader produced no batches")
     out: dict[str, Any] = {k: torch.cat(v) if v else torch.empty(0) for k, v in keep.items()}
     out["members"] = members
+    out["num_classes"] = classes
     return out
+
+
+def _check_labels(y: torch.Tensor, classes: int) -> None:
+    if y.is_floating_point() or y.dtype == torch.bool:
+        raise BayesifyError(f"labels must be integer class indices, got dtype {y.dtype}")
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= classes):
+        raise BayesifyError(f"labels must lie in [0, {classes - 1}] (the model has {classes} "
+                            f"classes), got values in [{int(y.min())}, {int(y.max())}]")
+
+
+def summarize(stats: dict[str, Any], *, n_bins: int = 15) -> dict[str, Any]:
+    """Accuracy, error, NLL, ECE, Brier and mean uncertainties from per-example stats."""
+    n = stats["nll"].numel()
+    if n == 0:
+        return {"n": 0}
+    accuracy = stats["correct"].double().mean().item()
+    return {
+        "n": n,
+        "members": int(stats["members"]),
+        "accuracy": accuracy,
+        "error": 1.0 - accuracy,
+        "nll": stats["nll"].double().mean().item(),
+        "ece": metrics.ece_from_confidence(stats["confidence"], stats["correct"], n_bins),
+        "brier": stats["brier"].double().mean().item(),
+        "entropy": stats["entropy"].double().mean().item(),
+        "aleatoric": stats["aleatoric"].double().mean().item(),
+        "epistemic": stats["epistemic"].double().mean().item(),
+    }
 
 
 def evaluate_sharded(
@@ -77,6 +117,7 @@ def evaluate_sharded(
     amp: bool = False,
     channels_last: bool = False,
     n_bins: int = 15,
+    batch_fn: Any = None,
 ) -> dict[str, float]:
     """Accuracy, error, NLL, ECE (``n_bins`` bins), Brier, entropy, aleatoric, epistemic.
 
@@ -86,22 +127,8 @@ def evaluate_sharded(
     ctx = ctx or DistContext(device=bnn.device)
     predictor = bnn.predictor(samples_per_component)
     stats = per_example_stats(predictor, shard_loader(loader, ctx), device=bnn.device,
-                              amp=amp, channels_last=channels_last)
+                              amp=amp, channels_last=channels_last, batch_fn=batch_fn)
     shards = all_gather_objects(stats, ctx)
-    full = {k: torch.cat([s[k] for s in shards]) for k in _FIELDS}
-    n = full["nll"].numel()
-    if n == 0:
-        return {"n": 0}
-    accuracy = full["correct"].double().mean().item()
-    return {
-        "n": n,
-        "members": max(int(s["members"]) for s in shards),
-        "accuracy": accuracy,
-        "error": 1.0 - accuracy,
-        "nll": full["nll"].double().mean().item(),
-        "ece": metrics.ece_from_confidence(full["confidence"], full["correct"], n_bins),
-        "brier": full["brier"].double().mean().item(),
-        "entropy": full["entropy"].double().mean().item(),
-        "aleatoric": full["aleatoric"].double().mean().item(),
-        "epistemic": full["epistemic"].double().mean().item(),
-    }
+    full: dict[str, Any] = {k: torch.cat([sh[k] for sh in shards]) for k in _FIELDS}
+    full["members"] = max(int(sh["members"]) for sh in shards)
+    return summarize(full, n_bins=n_bins)

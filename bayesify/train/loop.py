@@ -1,8 +1,13 @@
-"""``bayesify.fit``: loss = mean NLL over the tiled batch + β(t)·KL / N_train.
+"""``bayesify.fit``: the one training loop of every family.
 
-One loop for every gradient-trained family; post-hoc families (``method.fit``)
-take over the data loop themselves. The loop keeps its state in a
-:class:`TrainState` (no globals).
+The family's ``Method.training`` picks the step (:mod:`bayesify.train.steps`,
+:mod:`bayesify.train.curvature`): ``"elbo"`` — mean NLL over the tiled batch +
+β(t)·KL/N_train; ``"snapshot"`` — the same SGD step without KL, the family
+collecting iterates after each step (SWAG, snapshot ensembles); ``"curvature"`` —
+one gradient-free pass (Laplace). Sharding, DDP, AMP, accumulation, logging,
+callbacks, checkpoints and resume are the loop's, for every family; an option a
+family cannot honour is an error naming the family and the option. The loop
+keeps its state in a :class:`TrainState` (no globals).
 
 Data parallel (DESIGN.md §5): launched by ``torchrun`` the loop initialises the
 process group (nccl on CUDA, gloo on CPU), shards every global batch over the
@@ -16,9 +21,7 @@ to the same final posterior.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,22 +29,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from bayesify.errors import BayesifyError, NonFiniteLossError
+from bayesify.core.batch import BatchFn, iter_batches
+from bayesify.errors import BayesifyError
 from bayesify.train.data import TrainData
 from bayesify.train.distributed import (
     DistContext,
-    all_reduce_mean,
     all_reduce_sum,
     broadcast_object,
     rank_seed,
     setup_distributed,
 )
-from bayesify.train.schedules import beta_schedule, lr_factor, parse_schedule
+from bayesify.train.schedules import parse_schedule
+from bayesify.train.steps import TrainForward, TrainState, build_optimizer, flush_group, train_step
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -65,192 +67,8 @@ class FitResult:
         return self.history[-1]
 
 
-class TrainForward(nn.Module):
-    """``(x, y) → (mean NLL, KL)`` of one tiled batch: the module DDP wraps.
-
-    Routing the family's ``training_forward`` through this module's ``forward``
-    is what lets ``DistributedDataParallel`` hook the backward pass (DDP only
-    all-reduces gradients of a forward that went through the DDP wrapper).
-    Noise is drawn from ``generator`` (this rank's stream), in fp32.
-    """
-
-    def __init__(self, bnn: BayesianModel, generator: torch.Generator | None = None) -> None:
-        super().__init__()
-        self.bnn = bnn
-        self.generator = generator
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with self.bnn.context.use(None, generator=self.generator):
-            logits, targets = self.bnn.training_forward(x, y)
-        nll = F.cross_entropy(logits.float(), targets)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            kl = self.bnn.kl().float()  # KL stays in fp32 under AMP
-        return nll, kl
-
-
-@dataclass
-class TrainState:
-    bnn: BayesianModel
-    optimizer: torch.optim.Optimizer
-    base_lrs: list[float]
-    schedules: list[Any]
-    epochs: int
-    steps_per_epoch: int
-    n_train: int
-    kl_anneal_epochs: float
-    beta_max: float
-    epoch: int = 0
-    #: batches done in the current epoch (micro-batches with accumulation)
-    step: int = 0
-    #: optimiser steps since the start of training
-    global_step: int = 0
-    #: the module called for the loss terms: TrainForward, its DDP wrapper, compiled
-    forward: nn.Module | None = None
-    ddp: nn.Module | None = None
-    ctx: DistContext = field(default_factory=DistContext)
-    amp: bool = False
-    channels_last: bool = False
-    grad_accum_steps: int = 1
-    clip_grad_norm: float | None = None
-    noise_generator: torch.Generator | None = None
-    #: ``[loss, nll, kl]`` of the micro-batches of the open accumulation group
-    pending: list[torch.Tensor] = field(default_factory=list)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    #: running sums of the current epoch (restored on mid-epoch resume)
-    totals: dict[str, float] = field(default_factory=dict)
-
-
-def build_optimizer(
-    bnn: BayesianModel,
-    *,
-    lr: float,
-    base_lr: float,
-    optimizer: str,
-    momentum: float,
-    weight_decay: float,
-    base_weight_decay: float,
-) -> torch.optim.Optimizer:
-    """Posterior group(s) from the family (large LR, no weight decay) + base group if ``base_lr > 0``."""
-    groups = bnn.method.param_groups(bnn, lr=lr, weight_decay=weight_decay)
-    if base_lr > 0:
-        bnn.set_base_trainable(True)
-        groups.append({"params": bnn.base_parameters(), "lr": base_lr,
-                       "weight_decay": base_weight_decay, "name": "base"})
-    else:
-        bnn.set_base_trainable(False)
-    if not any(g["params"] for g in groups):
-        raise BayesifyError(
-            f"method {bnn.method_name!r} has no trainable parameters; use base_lr > 0 "
-            "or a gradient-trained family"
-        )
-    if optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0)
-    if optimizer == "adam":
-        return torch.optim.Adam(groups, lr=lr)
-    if optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=lr)
-    raise BayesifyError(f"unknown optimizer {optimizer!r}; use 'sgd', 'adam' or 'adamw'")
-
-
-def _batches(loader: Iterable, device: torch.device, channels_last: bool = False):
-    for batch in loader:
-        x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
-        if channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
-        yield x, y
-
-
-def _closes_group(state: TrainState) -> tuple[bool, int]:
-    """Whether this micro-batch ends an accumulation group, and the group's size."""
-    accum, step, total = state.grad_accum_steps, state.step, state.steps_per_epoch
-    start = (step // accum) * accum
-    size = accum if total <= 0 else min(accum, total - start)
-    return (step + 1) % accum == 0 or (total > 0 and step + 1 >= total), max(size, 1)
-
-
-def train_step(state: TrainState, x: torch.Tensor, y: torch.Tensor) -> dict[str, float] | None:
-    """One micro-batch; returns the (rank-averaged) loss terms when the optimiser stepped.
-
-    With ``grad_accum_steps = A`` the gradients of A micro-batches are summed
-    (each scaled by 1/A, so the step sees the mean loss) and DDP all-reduces
-    only on the last one (``no_sync`` before). Non-finite loss → error naming
-    the step, before the parameters change.
-    """
-    if state.forward is None:
-        state.forward = TrainForward(state.bnn, state.noise_generator)
-    closes, size = _closes_group(state)
-    # schedules are read at the start of the accumulation group: A micro-batches of
-    # size B follow exactly the trajectory of one batch of size A·B
-    group_start = (state.step // state.grad_accum_steps) * state.grad_accum_steps
-    progress = state.epoch + group_start / max(state.steps_per_epoch, 1)
-    beta = beta_schedule(progress, anneal_epochs=state.kl_anneal_epochs, beta_max=state.beta_max)
-    for group, base, schedule in zip(state.optimizer.param_groups, state.base_lrs, state.schedules):
-        group["lr"] = base * lr_factor(progress, schedule, epochs=state.epochs)
-    sync = (state.ddp.no_sync() if state.ddp is not None and not closes  # type: ignore[operator]
-            else contextlib.nullcontext())
-    autocast = (torch.autocast(device_type=x.device.type, dtype=torch.bfloat16) if state.amp
-                else contextlib.nullcontext())
-    with sync:
-        with autocast:
-            nll, kl = state.forward(x, y)
-        loss = nll + beta * _kl_weight(state, group_start) * kl / state.n_train
-        (loss / size).backward()
-    state.pending.append(torch.stack([loss.detach(), nll.detach(), kl.detach()]).float())
-    batch_index = state.step
-    state.step += 1
-    if not closes:
-        return None
-    return _optimizer_step(state, beta, batch_index)
-
-
-def _kl_weight(state: TrainState, group_start: int) -> float:
-    """Family hook ``method.kl_weight(i, M)``: minibatch KL weighting (1 when absent).
-
-    ``i``/``M`` count optimiser steps of the epoch, so the weights sum to M over
-    an epoch whatever the accumulation.
-    """
-    hook = getattr(state.bnn.method, "kl_weight", None)
-    if hook is None:
-        return 1.0
-    accum = state.grad_accum_steps
-    total = -(-state.steps_per_epoch // accum) if state.steps_per_epoch > 0 else 0
-    return float(hook(group_start // accum, total))
-
-
-def _optimizer_step(state: TrainState, beta: float, batch_index: int) -> dict[str, float]:
-    means = all_reduce_mean(torch.stack(state.pending).mean(0), state.ctx)
-    state.pending.clear()
-    loss, nll, kl = means.tolist()
-    if not all(map(_finite, (loss, nll, kl))):
-        state.optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLossError(
-            f"non-finite loss at epoch {state.epoch}, step {batch_index} (optimiser step "
-            f"{state.global_step}; nll={nll:.4g}, kl={kl:.4g}); lower the learning rate "
-            "or check the inputs for NaN/inf. The last good checkpoint is kept."
-        )
-    if state.clip_grad_norm is not None:
-        params = [p for g in state.optimizer.param_groups for p in g["params"]]
-        torch.nn.utils.clip_grad_norm_(params, state.clip_grad_norm)
-    state.optimizer.step()
-    state.optimizer.zero_grad(set_to_none=True)
-    state.global_step += 1
-    return {"loss": loss, "nll": nll, "kl": kl, "beta": beta}
-
-
-def _finite(v: float) -> bool:
-    return math.isfinite(v)
-
-
-def _flush_group(state: TrainState, beta: float) -> dict[str, float] | None:
-    """Step on a partial accumulation group left at the end of an unsized epoch."""
-    if not state.pending:
-        return None
-    if state.ddp is not None and state.ctx.distributed:  # the last backward ran under no_sync
-        for p in state.bnn.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= state.ctx.world_size
-    return _optimizer_step(state, beta, state.step - 1)
+#: fit options and their defaults (None: the family's default, else the fallback)
+_FALLBACKS = {"momentum": 0.9, "weight_decay": 0.0, "lr_schedule": "constant"}
 
 
 def fit(
@@ -262,14 +80,15 @@ def fit(
     base_lr: float = 0.0,
     kl_anneal_epochs: float = 0.0,
     beta: float = 1.0,
-    lr_schedule: Any = "constant",
+    lr_schedule: Any = None,
     base_lr_schedule: Any = "constant",
     optimizer: str = "sgd",
-    momentum: float = 0.9,
-    weight_decay: float = 0.0,
+    momentum: float | None = None,
+    weight_decay: float | None = None,
     base_weight_decay: float = 0.0,
     n_train: int | None = None,
     val_loader: Iterable | None = None,
+    batch_fn: BatchFn | None = None,
     device: str | torch.device | None = None,
     log_dir: str | Path | None = None,
     progress: bool = True,
@@ -287,16 +106,21 @@ def fit(
     val_every: int = 1,
     val_samples_per_component: int | None = None,
     find_unused_parameters: bool = False,
-    **method_kwargs: Any,
+    **unknown: Any,
 ) -> FitResult:
-    """Fine-tune the posterior of ``bnn`` on ``train_loader``.
+    """Fit the posterior of ``bnn`` on ``train_loader`` (one loop for every family).
 
-    Loss per step: mean NLL over the tiled batch + β(t)·KL/N_train, β(t) linear
-    0 → ``beta`` over ``kl_anneal_epochs`` (fixed when 0). Posterior group: SGD
-    Nesterov at ``lr`` (default: the family's), no weight decay; base weights stay
-    frozen unless ``base_lr > 0``. ``lr_schedule`` / ``base_lr_schedule``: see
-    :func:`bayesify.train.schedules.lr_factor`. Post-hoc families delegate to
-    ``method.fit``.
+    ELBO families: loss per step = mean NLL over the tiled batch + β(t)·KL/N_train,
+    β(t) linear 0 → ``beta`` over ``kl_anneal_epochs`` (fixed when 0); SGD
+    Nesterov at ``lr`` (default: the family's), no weight decay on the posterior;
+    base weights stay frozen unless ``base_lr > 0``. Snapshot families (SWAG,
+    snapshot ensembles) take SGD steps at the family's LR/momentum/weight decay and
+    collect the iterates; Laplace makes one curvature pass. ``lr_schedule`` /
+    ``base_lr_schedule``: see :func:`bayesify.train.schedules.lr_factor`.
+    ``val_loader``: validation metrics every ``val_every`` epochs and, for families
+    with a predictive-scale knob, the validation-tuned choice of it at the end.
+    ``batch_fn``: how to split a batch the loader yields (see
+    :mod:`bayesify.core.batch`).
 
     Under ``torchrun`` the loader's ``batch_size`` is per rank (global batch =
     batch_size × world size) and the data order of epoch e is a function of
@@ -308,26 +132,48 @@ def fit(
     checkpoint file or directory to continue from. ``callbacks``: objects with
     optional ``on_step_end(state, terms)`` / ``on_epoch_end(state, record)``
     (a plain callable is ``on_epoch_end``), called after the checkpoint is written.
+    A non-finite loss or step raises :class:`NonFiniteLossError` with the last
+    finite posterior in memory.
     """
     from bayesify.train import resume as ckpt
 
-    if epochs <= 0:
-        raise BayesifyError(f"epochs must be positive, got {epochs}")
+    method = bnn.method
+    if unknown:
+        raise BayesifyError(f"unknown fit option(s) {sorted(unknown)} for method "
+                            f"{method.name!r}; see help(bayesify.fit)")
+    given = {"lr": lr, "base_lr": base_lr or None, "kl_anneal_epochs": kl_anneal_epochs or None,
+             "beta": None if beta == 1.0 else beta, "optimizer": None if optimizer == "sgd" else optimizer,
+             "momentum": momentum, "weight_decay": weight_decay, "lr_schedule": lr_schedule,
+             "grad_accum_steps": None if grad_accum_steps == 1 else grad_accum_steps,
+             "clip_grad_norm": clip_grad_norm, "epochs": None if epochs == 1 else epochs,
+             "compile": compile or None, "channels_last": channels_last or None,
+             "checkpoint_every_steps": checkpoint_every_steps or None}
+    refused = [k for k in method.unsupported_fit_options if given.get(k) is not None]
+    if refused:
+        raise BayesifyError(
+            f"method {method.name!r} cannot honour fit option(s) {refused}: "
+            f"{method.unsupported_reason()}"
+        )
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
+        raise BayesifyError(f"epochs must be a positive integer, got {epochs!r}")
     if grad_accum_steps < 1:
         raise BayesifyError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+    defaults = {**_FALLBACKS, **method.fit_defaults()}
+    lr = lr if lr is not None else defaults.get("lr", method.default_lr())
+    momentum = defaults["momentum"] if momentum is None else momentum
+    weight_decay = defaults["weight_decay"] if weight_decay is None else weight_decay
+    lr_schedule = defaults["lr_schedule"] if lr_schedule is None else lr_schedule
     ctx = setup_distributed(device, bnn.device)
     if device is not None or ctx.device != bnn.device:
         bnn.to(ctx.device)
+    if method.training == "curvature":
+        from bayesify.train.curvature import fit_curvature
+
+        return fit_curvature(bnn, train_loader, ctx=ctx, val_loader=val_loader, batch_fn=batch_fn,
+                             progress=progress, log_dir=log_dir, checkpoint_dir=checkpoint_dir,
+                             resume=resume, callbacks=[_as_callback(c) for c in callbacks],
+                             amp=amp, result=FitResult())
     n_train = n_train or _dataset_size(train_loader)
-    if not bnn.method.gradient_trained:
-        if val_loader is not None:  # post-hoc families may tune on it (Laplace τ)
-            method_kwargs["val_loader"] = val_loader
-        info = bnn.method.fit(bnn, train_loader, epochs=epochs, lr=lr, device=bnn.device,
-                              progress=progress, **method_kwargs)
-        return FitResult(history=[info or {}])
-    if method_kwargs:
-        raise BayesifyError(f"unknown fit option(s) {sorted(method_kwargs)}")
-    lr = lr if lr is not None else bnn.method.default_lr()
     lr_schedule, base_lr_schedule = parse_schedule(lr_schedule), parse_schedule(base_lr_schedule)
     opt = build_optimizer(bnn, lr=lr, base_lr=base_lr, optimizer=optimizer, momentum=momentum,
                           weight_decay=weight_decay, base_weight_decay=base_weight_decay)
@@ -369,6 +215,8 @@ def fit(
                    identity=ckpt.identity(bnn) if checkpointing else {})
     if payload is not None:
         ckpt.restore(state, payload, run, path=payload["path"])
+    else:
+        method.begin_fit(bnn, steps_per_epoch=state.steps_per_epoch, epochs=epochs)
     state.forward = TrainForward(bnn, noise)
     if ctx.distributed:
         state.ddp = _wrap_ddp(state.forward, ctx, sync_buffers=bnn.bn_train,
@@ -377,31 +225,48 @@ def fit(
     if compile:
         state.forward = torch.compile(state.forward, **(compile if isinstance(compile, dict) else {}))
     result = FitResult(history=state.history)
-    log_path = Path(log_dir) / "history.jsonl" if log_dir is not None and ctx.is_main else None
-    if log_path is not None:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = _Log(log_dir, ctx)
     hooks = [_as_callback(c) for c in callbacks]
     while state.epoch < epochs:
-        record = _train_epoch(state, data, progress=progress and ctx.is_main, run=run, hooks=hooks)
+        record = _train_epoch(state, data, progress=progress and ctx.is_main, run=run, hooks=hooks,
+                              batch_fn=batch_fn)
         is_last = state.epoch + 1 == epochs
+        if is_last:
+            from bayesify.train.evaluate import shard_loader
+
+            record.update(method.finish_fit(bnn, train_loader=shard_loader(train_loader, ctx),
+                                            val_loader=val_loader, ctx=ctx, batch_fn=batch_fn))
         if val_loader is not None and ((state.epoch + 1) % max(val_every, 1) == 0 or is_last):
             from bayesify.train.evaluate import evaluate_sharded
 
             metrics = evaluate_sharded(bnn, val_loader, ctx,
                                        samples_per_component=val_samples_per_component,
-                                       amp=state.amp, channels_last=channels_last)
+                                       amp=state.amp, channels_last=channels_last,
+                                       batch_fn=batch_fn)
             record.update({f"val_{k}": v for k, v in metrics.items() if isinstance(v, float)})
         state.history.append(record)
         state.epoch, state.step, state.totals = state.epoch + 1, 0, {}
         if run.directory is not None:
             result.last_checkpoint = ckpt.save(state, run)
-        if log_path is not None:
-            with log_path.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
+        log.write(record)
         for hook in hooks:
             hook.on_epoch_end(state, record)
     bnn.eval()
     return result
+
+
+class _Log:
+    """``history.jsonl`` in ``log_dir`` (rank 0 only): one JSON record per epoch."""
+
+    def __init__(self, log_dir: str | Path | None, ctx: DistContext) -> None:
+        self.path = Path(log_dir) / "history.jsonl" if log_dir is not None and ctx.is_main else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is not None:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(record, default=float) + "\n")
 
 
 def _wrap_ddp(module: nn.Module, ctx: DistContext, *, sync_buffers: bool,
@@ -448,7 +313,7 @@ def _as_callback(obj: Any) -> _Callback:
 
 
 def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any,
-                 hooks: list[_Callback]) -> dict[str, Any]:
+                 hooks: list[_Callback], batch_fn: BatchFn | None = None) -> dict[str, Any]:
     from bayesify.train import resume as ckpt
 
     bnn = state.bnn
@@ -462,10 +327,11 @@ def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any
                desc=f"epoch {state.epoch + 1}/{state.epochs}", disable=not progress,
                leave=False, dynamic_ncols=True)
     beta, micro = 0.0, 0
-    for x, y in _batches(data, bnn.device, state.channels_last):
-        terms = train_step(state, x, y)
+    for batch in iter_batches(data, device=bnn.device, batch_fn=batch_fn,
+                              channels_last=state.channels_last):
+        terms = train_step(state, batch)
         micro += 1
-        totals["images"] += x.shape[0]
+        totals["images"] += batch.size
         totals["batches"] += 1
         bar.update(1)
         if terms is None:
@@ -483,14 +349,18 @@ def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any
             ckpt.save(state, run)
         for hook in hooks:
             hook.on_step_end(state, terms)
-    flushed = _flush_group(state, beta)
+    flushed = flush_group(state, beta)
     if flushed is not None:
         for k in ("loss", "nll", "kl"):
             totals[k] += flushed[k] * micro
         totals["count"] += micro
     bar.close()
     if totals["batches"] == 0:
-        raise BayesifyError("the training loader produced no batches")
+        raise BayesifyError(
+            "the training loader produced no batches"
+            + (f" on rank {state.ctx.rank} of {state.ctx.world_size}: the global batch "
+               "(batch_size × world size) may exceed the data set" if state.ctx.distributed else "")
+        )
     seconds = time.perf_counter() - start
     images = all_reduce_sum(torch.tensor([totals["images"]], dtype=torch.float64),
                             state.ctx).item()

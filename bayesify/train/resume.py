@@ -63,8 +63,8 @@ def save(state: TrainState, run: Run) -> str:
     """Write a checkpoint of ``state`` (collective: every rank must call it)."""
     assert run.directory is not None
     ctx = state.ctx
-    assert state.noise_generator is not None
-    rng = gather_objects(rng_state(state.noise_generator, ctx.device), ctx)
+    noise = state.noise_generator or torch.Generator(device=ctx.device)
+    rng = gather_objects(rng_state(noise, ctx.device), ctx)
     error: str | None = None
     cause: BaseException | None = None
     path = run.directory / checkpoint_name(state.epoch, state.global_step)
@@ -82,8 +82,8 @@ def save(state: TrainState, run: Run) -> str:
                 "meta": json.dumps(meta, default=float),
                 "posterior": {n: _cpu(p) for n, p in bnn.named_posterior_parameters()},
                 "base": {n: _cpu(p) for n, p in bnn.named_base_parameters() if p.requires_grad},
-                "buffers": {n: _cpu(b) for n, b in bnn.model.named_buffers()},
-                "optimizer": state.optimizer.state_dict(),
+                "buffers": {n: _cpu(b) for n, b in bnn.named_buffers()},
+                "optimizer": state.optimizer.state_dict() if state.optimizer is not None else {},
                 "rng": rng,
             }
             atomic_save(payload, path)
@@ -144,9 +144,10 @@ def restore(state: TrainState, payload: dict[str, Any], run: Run, *, path: str) 
     _load_named(dict(bnn.named_posterior_parameters()), payload["posterior"], "posterior", path)
     trainable = {n: p for n, p in bnn.named_base_parameters() if p.requires_grad}
     _load_named(trainable, payload["base"], "trainable base", path)
-    _load_named(dict(bnn.model.named_buffers()), payload["buffers"], "buffer", path)
+    _load_named(dict(bnn.named_buffers()), payload["buffers"], "buffer", path)
     try:
-        state.optimizer.load_state_dict(payload["optimizer"])
+        if state.optimizer is not None:
+            state.optimizer.load_state_dict(payload["optimizer"])
     except (ValueError, KeyError, RuntimeError) as err:
         raise BayesifyError(f"checkpoint {path!r}: optimiser state does not fit ({err})") from err
     ctx = state.ctx

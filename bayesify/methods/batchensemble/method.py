@@ -8,9 +8,9 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.method import wrapper_table
+from bayesify.core.rank_one import RankOneLayer
+from bayesify.core.tiled import TiledMethod
 from bayesify.methods.batchensemble.config import BatchEnsembleConfig
-from bayesify.methods.rank1.layers import RankOneLayer
-from bayesify.methods.rank1.tiled import TiledMethod
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel

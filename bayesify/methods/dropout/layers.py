@@ -14,8 +14,8 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
+from bayesify.core.rank_one import forward_without_bias
 from bayesify.methods.dropout.config import DropoutConfig
-from bayesify.methods.rank1.layers import forward_without_bias
 
 
 class DropoutLayer(BayesianLayer):
@@ -35,6 +35,11 @@ class DropoutLayer(BayesianLayer):
             self.variational_weight = nn.Parameter(base_layer.weight.detach().clone())
             if base_layer.bias is not None:
                 self.variational_bias = nn.Parameter(base_layer.bias.detach().clone())
+
+    def mean_weight(self, name: str) -> torch.Tensor | None:
+        """Inverted dropout keeps the mean: the (fine-tuned or base) weights themselves."""
+        own = self._parameters.get(f"variational_{name}")
+        return own if own is not None else getattr(self.base_layer, name)
 
     def num_nodes(self) -> int:
         return self.channels

@@ -25,18 +25,16 @@ import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from bayesify.core.member_bn import MemberBatchNorm
-from bayesify.core.method import logits_of, tile
+from bayesify.core.method import batch_device, batch_rows, call_model, logits_of
+from bayesify.core.tiled import TiledMethod
 from bayesify.core.walker import find_classifier
-from bayesify.errors import BayesifyError, NonFiniteLossError
+from bayesify.errors import BayesifyError
 from bayesify.methods.ensemble.config import EnsembleConfig
 from bayesify.methods.ensemble.export import export_ensemble
 from bayesify.methods.ensemble.layers import EnsembleLayer
-from bayesify.methods.rank1.tiled import TiledMethod
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -56,12 +54,19 @@ class EnsembleMethod(TiledMethod):
 
     def __init__(self, config: EnsembleConfig) -> None:
         super().__init__(config)
-        # snapshot ensembles run their own cyclic-LR loop (post-hoc style fit)
-        self.gradient_trained = not config.snapshot
-        self.active_member = 0
+        # snapshot ensembles: SGD steps with a cyclic LR, one member per cycle
+        self.training = "snapshot" if config.snapshot else "elbo"  # type: ignore[misc]
+        self._state: Any = None
+
+    @property
+    def active_member(self) -> int:
+        return int(self._state.value("snapshot_member")) if self._state is not None else 0
 
     def prepare(self, bnn: BayesianModel) -> None:
         super().prepare(bnn)
+        bnn.state.add("snapshot_member", torch.zeros((), dtype=torch.long))
+        bnn.state.add("snapshot_cycle", torch.zeros((), dtype=torch.float64))
+        self._state = bnn.state
         if self.config.head_init == "random" and not self.config.snapshot:
             head = find_classifier(bnn.model)
             layers = bnn.bayesian_layers()
@@ -91,9 +96,10 @@ class EnsembleMethod(TiledMethod):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.config.snapshot:
             return super().training_forward(bnn, x, y)
-        comp = torch.full((x.shape[0],), self.active_member, dtype=torch.long, device=x.device)
+        comp = torch.full((batch_rows(x),), self.active_member, dtype=torch.long,
+                          device=batch_device(x))
         with bnn.context.use(comp):
-            return logits_of(bnn.model(tile(x, 1))), y
+            return logits_of(call_model(bnn.model, x)), y
 
     def _copy_member(self, bnn: BayesianModel, source: int, target: int) -> None:
         with torch.no_grad():
@@ -105,59 +111,44 @@ class EnsembleMethod(TiledMethod):
                               layer.member_running_var):
                         t[target].copy_(t[source])
 
-    def fit(self, bnn: BayesianModel, loader: Any, **kwargs: Any) -> dict[str, Any] | None:
-        """Snapshot ensemble: SGD with a cosine LR restarted every ``epochs·steps / M`` steps.
+    # -- snapshot ensembles in the one loop (training = "snapshot") -------------------
+    def fit_defaults(self) -> dict[str, Any]:
+        return {"lr": 0.01} if self.config.snapshot else {}
 
-        Options: ``epochs``, ``lr`` (peak LR of every cycle), ``momentum`` (0.9),
-        ``progress``. Member k's slot is trained during cycle k, starting from the
-        end of cycle k−1; the optimiser state is reset at every restart.
-        """
+    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
+        """Snapshot ensemble: a cosine LR restarted every ``epochs·steps / M`` steps."""
         if not self.config.snapshot:
-            return None
-        epochs = int(kwargs.pop("epochs", 1))
-        lr = kwargs.pop("lr", None) or 0.01
-        momentum = float(kwargs.pop("momentum", 0.9))
-        progress = bool(kwargs.pop("progress", False))
-        device = kwargs.pop("device", None) or bnn.device
-        if kwargs:
-            raise BayesifyError(f"unknown fit option(s) for snapshot ensembles: {sorted(kwargs)}")
-        steps_per_epoch = len(loader)
+            return
         cycle = epochs * steps_per_epoch / self.components
         if cycle < 1:
             raise BayesifyError(
                 f"snapshot ensemble needs at least one step per member: {epochs} epoch(s) × "
                 f"{steps_per_epoch} step(s) < components={self.components}; train longer"
             )
-        params = [p for p in bnn.posterior_parameters() if p.requires_grad]
-        opt = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
-        bnn.train()
-        self.active_member, step, losses = 0, 0, []
-        bar = tqdm(total=epochs * steps_per_epoch, desc="snapshot ensemble", disable=not progress, leave=False)
-        for _ in range(epochs):
-            for batch in loader:
-                x, y = batch[0].to(device), batch[1].to(device)
-                member = min(int(step // cycle), self.components - 1)
-                if member != self.active_member:
-                    self._copy_member(bnn, self.active_member, member)
-                    self.active_member = member
-                    opt.state.clear()  # old slots get zero gradients; no stale momentum
-                phase = (step - member * cycle) / cycle
-                for group in opt.param_groups:
-                    group["lr"] = 0.5 * lr * (1 + math.cos(math.pi * min(phase, 1.0)))
-                logits, targets = self.training_forward(bnn, x, y)
-                loss = F.cross_entropy(logits.float(), targets)
-                if not torch.isfinite(loss):
-                    raise NonFiniteLossError(f"non-finite loss at snapshot step {step}; lower lr")
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-                step += 1
-                bar.update(1)
-        bar.close()
-        self.active_member = 0
-        bnn.eval()
-        return {"loss": sum(losses) / max(len(losses), 1), "steps": step, "snapshots": self.components}
+        bnn.state.set("snapshot_cycle", cycle)
+        bnn.state.set("snapshot_member", 0)
+
+    def before_step(self, bnn: BayesianModel, state: Any) -> None:
+        """Member k's slot is trained during cycle k, starting from the end of cycle k−1;
+        the optimiser state is reset at every restart."""
+        if not self.config.snapshot:
+            return
+        cycle = bnn.state.value("snapshot_cycle")
+        step = state.global_step
+        member = min(int(step // cycle), self.components - 1)
+        if member != self.active_member:
+            self._copy_member(bnn, self.active_member, member)
+            bnn.state.set("snapshot_member", member)
+            state.optimizer.state.clear()  # old slots get zero gradients; no stale momentum
+        phase = (step - member * cycle) / cycle
+        for group, base in zip(state.optimizer.param_groups, state.base_lrs):
+            group["lr"] = 0.5 * base * (1 + math.cos(math.pi * min(phase, 1.0)))
+
+    def finish_fit(self, bnn: BayesianModel, **kwargs: Any) -> dict[str, Any]:
+        if not self.config.snapshot:
+            return {}
+        bnn.state.set("snapshot_member", 0)
+        return {"snapshots": self.components}
 
     @classmethod
     def demo_recipe(cls) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bayesify.core.context import SamplingContext
-from bayesify.methods.meanfield.functional import member_normal
+from bayesify.core.weightspace import member_normal
 
 #: stream id of the one noise draw that every layer reads when noise is shared
 SHARED_STREAM = -1
@@ -90,14 +90,15 @@ class NoiseSource:
 
     ``shared=False``: every layer draws its own z (stream = layer id).
     ``shared=True``: one z per member feeds every layer; it is cached for the
-    current top-level forward pass (reset by a pre-forward hook on the model),
-    and seeded prediction reads the same stream in every layer.
+    current top-level forward pass (``SamplingContext.pass_id``, advanced by the
+    BayesianModel, so no hook is ever registered on the user's modules), and
+    seeded prediction reads the same stream in every layer.
     """
 
     def __init__(self, dim: int, *, shared: bool) -> None:
         self.dim = dim
         self.shared = shared
-        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def sample(
         self, context: SamplingContext, stream: int, ids: torch.Tensor, num_members: int, device: torch.device
@@ -105,22 +106,13 @@ class NoiseSource:
         if not self.shared:
             return member_normal(context, stream, ids, num_members, self.dim, device)
         if self._cache is not None:
-            cached_ids, z = self._cache
-            if cached_ids.shape == ids.shape and cached_ids.device == ids.device and torch.equal(cached_ids, ids):
+            pass_id, cached_ids, z = self._cache
+            if (pass_id == context.pass_id and cached_ids.shape == ids.shape
+                    and cached_ids.device == ids.device and torch.equal(cached_ids, ids)):
                 return z
         z = member_normal(context, SHARED_STREAM, ids, num_members, self.dim, device)
-        self._cache = (ids, z)
+        self._cache = (context.pass_id, ids, z)
         return z
 
     def reset(self) -> None:
         self._cache = None
-
-
-class ResetNoise:
-    """Forward pre-hook: a new top-level forward pass draws new shared noise."""
-
-    def __init__(self, source: NoiseSource) -> None:
-        self.source = source
-
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        self.source.reset()

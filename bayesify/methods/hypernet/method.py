@@ -10,11 +10,11 @@ from torch import nn
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer
 from bayesify.core.method import Method, wrapper_table
+from bayesify.core.weight_members import export_weight_members
+from bayesify.core.weightspace import member_training_forward
 from bayesify.methods.hypernet.config import HypernetConfig
-from bayesify.methods.hypernet.generator import NoiseSource, ResetNoise
+from bayesify.methods.hypernet.generator import NoiseSource
 from bayesify.methods.hypernet.layers import HypernetLayer
-from bayesify.methods.meanfield.export import export_weight_members
-from bayesify.methods.meanfield.functional import member_training_forward
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -39,10 +39,6 @@ class HypernetMethod(Method):
 
     def wrap(self, name: str, module: nn.Module, context: SamplingContext) -> BayesianLayer:
         return HypernetLayer(module, context=context, config=self.config, noise=self.noise)
-
-    def prepare(self, bnn: BayesianModel) -> None:
-        if self.noise.shared:
-            bnn.model.register_forward_pre_hook(ResetNoise(self.noise))
 
     def training_forward(
         self, bnn: BayesianModel, x: torch.Tensor, y: torch.Tensor

@@ -9,7 +9,7 @@ from bayesify.core.config import MethodConfig, option, require
 
 STRUCTURES = ("kron", "diag", "full")
 LINKS = ("probit", "mc", "bridge")
-PRIOR_METHODS = ("marglik", "val_nll", "fixed")
+PRIOR_METHODS = ("auto", "marglik", "val_nll", "fixed")
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,9 @@ class LaplaceConfig(MethodConfig):
     )
     prior_precision: float = option(1.0, "τ: initial (or, with prior_method='fixed', final) prior precision.")
     prior_method: str = option(
-        "marglik", "How τ is chosen: 'marglik' (Adam on log τ maximising the Laplace marginal "
-        "likelihood), 'val_nll' (grid search on fit(val_loader=...)), or 'fixed'."
+        "auto", "How τ is chosen: 'auto' ('val_nll' when fit gets a val_loader, else "
+        "'marglik'), 'marglik' (Adam on log τ maximising the Laplace marginal likelihood), "
+        "'val_nll' (grid search on fit(val_loader=...)), or 'fixed'."
     )
     prior_per_layer: bool = option(False, "One τ per wrapped layer instead of one scalar (marglik).")
     marglik_steps: int = option(100, "Adam steps on log τ.")
@@ -34,7 +35,7 @@ class LaplaceConfig(MethodConfig):
         (1e-4, 1e4, 41), "(low, high, count): log-spaced τ grid of prior_method='val_nll'."
     )
     val_rule: str = option(
-        "min", "val_nll choice: 'min' (lowest validation NLL) or 'one_se' (the broadest "
+        "one_se", "val_nll choice: 'min' (lowest validation NLL) or 'one_se' (the broadest "
         "posterior, i.e. smallest τ, whose validation NLL is within one standard error of the "
         "lowest — the one-standard-error rule)."
     )

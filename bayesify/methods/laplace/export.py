@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from bayesify.core.method import logits_of
+from bayesify.core.walker import replace_modules
 from bayesify.errors import BayesifyError
 from bayesify.methods.laplace import posterior as post
 from bayesify.methods.laplace.curvature import augmented_features
@@ -58,8 +59,7 @@ def _unwrapped_with_tap(bnn: BayesianModel, name: str) -> tuple[nn.Module, Featu
     tap = FeatureTap(linear)
     if not name:
         return tap, tap
-    parent_name, _, attr = name.rpartition(".")
-    setattr(net.get_submodule(parent_name) if parent_name else net, attr, tap)
+    replace_modules(net, {name: tap})
     return net, tap
 
 
@@ -133,7 +133,7 @@ def _last_layer_tensors(posterior: object, structure: str, link: str, tau: torch
 def export_laplace(method: LaplaceMethod, bnn: BayesianModel, *, samples_per_component: int,
                    seed: int, example_input: Any, deterministic: bool) -> nn.Module:
     """The plain ``x → [M, B, C]`` module of ``method``'s predictive (see module docstring)."""
-    from bayesify.predict.export import StackedModels
+    from bayesify.core.stacked import StackedModels
 
     if deterministic or method.train_loss is None:  # in process: the MAP network alone
         return StackedModels([bnn.unwrap()])

@@ -67,6 +67,10 @@ class LaplaceLayer(BayesianLayer):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.base_layer.parameters())
 
+    def mean_weight(self, name: str) -> torch.Tensor | None:
+        """The posterior mean is the MAP: the base layer's own tensor."""
+        return getattr(self.base_layer, name)
+
     def num_nodes(self) -> int:
         return self.num_params()
 

@@ -15,7 +15,6 @@ logits *are* the log predictive probabilities; for MC, M samples of the GLM.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -23,9 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
-from bayesify.core.method import Method, logits_of
+from bayesify.core.method import Method, call_model, logits_of
 from bayesify.errors import BayesifyError
 from bayesify.methods.laplace import curvature as curv
 from bayesify.methods.laplace import posterior as post
@@ -52,112 +50,109 @@ class LaplaceMethod(Method):
 
     name = "laplace"
     config_cls = LaplaceConfig
-    gradient_trained = False
+    training = "curvature"
+    unsupported_fit_options = ("lr", "base_lr", "kl_anneal_epochs", "beta", "optimizer",
+                               "momentum", "weight_decay", "lr_schedule", "grad_accum_steps",
+                               "clip_grad_norm", "epochs", "compile", "channels_last",
+                               "checkpoint_every_steps")
     wrappers: ClassVar = {nn.Linear: LaplaceLayer, nn.Conv1d: LaplaceLayer,
                           nn.Conv2d: LaplaceLayer, nn.Conv3d: LaplaceLayer}
 
     def __init__(self, config: LaplaceConfig) -> None:
         super().__init__(config)
-        self.last_layer = False
-        self.train_loss: torch.Tensor | None = None
-        self._posterior: Any = None
-        self.history: dict[str, Any] = {}
+        self._state: Any = None  # bnn.state, where the fitted values live (buffers)
+        self._posterior: Any = None  # a view over the curvature buffers (cache)
+
+    def unsupported_reason(self) -> str:
+        return "Laplace is fitted by one gradient-free curvature pass over the data"
+
+    def validate_plan(self, model: nn.Module, targets: list[str]) -> None:
+        modules = dict(model.named_modules())
+        single_linear = len(targets) == 1 and isinstance(modules[targets[0]], nn.Linear)
+        if self.config.structure in ("kron", "full") and not single_linear:
+            raise BayesifyError(
+                f"structure={self.config.structure!r} needs exactly one Linear target (the "
+                f"classifier, targets='last_layer'); got {list(targets)[:5]}. Use "
+                "structure='diag' for a subnetwork"
+            )
 
     def prepare(self, bnn: BayesianModel) -> None:
         layers = self._layers(bnn)
         single_linear = len(layers) == 1 and isinstance(_first(layers).base_layer, nn.Linear)
-        if self.config.structure in ("kron", "full") and not single_linear:
-            raise BayesifyError(
-                f"structure={self.config.structure!r} needs exactly one Linear target (the "
-                f"classifier, targets='last_layer'); got {list(layers)}. Use structure='diag' "
-                "for a subnetwork"
-            )
-        self.last_layer = single_linear
+        bnn.state.add("laplace_last_layer", torch.tensor(int(single_linear)))
+        bnn.state.add("laplace_fitted", torch.tensor(0))
+        bnn.state.add("laplace_train_loss", torch.zeros((), dtype=torch.float64))
+        self._state = bnn.state
 
-    # -- fitting -------------------------------------------------------------------------
-    def fit(
-        self,
-        bnn: BayesianModel,
-        loader: Iterable,
-        *,
-        epochs: int = 1,
-        lr: float | None = None,
-        device: torch.device | None = None,
-        progress: bool = True,
-        val_loader: Iterable | None = None,
-        **unknown: Any,
-    ) -> dict[str, Any]:
-        """One pass over ``loader`` accumulating the GGN (all-reduced over DDP ranks),
-        then τ by ``prior_method``. ``epochs`` and ``lr`` do not apply (one pass, no SGD)."""
-        if unknown:
-            raise BayesifyError(f"unknown fit option(s) {sorted(unknown)} for method 'laplace'; "
-                                "valid: val_loader")
-        if lr is not None:
-            raise BayesifyError("Laplace is fitted by one curvature pass; lr does not apply")
-        cfg: LaplaceConfig = self.config
-        if cfg.prior_method == "val_nll" and val_loader is None:
-            raise BayesifyError("prior_method='val_nll' needs fit(..., val_loader=...)")
-        layers = self._layers(bnn)
-        device = device or bnn.device
-        for layer in layers.values():
+    @property
+    def last_layer(self) -> bool:
+        return bool(self._state.value("laplace_last_layer"))
+
+    @last_layer.setter
+    def last_layer(self, value: bool) -> None:
+        self._state.set("laplace_last_layer", int(value))
+
+    @property
+    def train_loss(self) -> torch.Tensor | None:
+        """Σ cross-entropy at θ* over the training data (None before ``fit``)."""
+        if not self._state.value("laplace_fitted"):
+            return None
+        return self._state.get_buffer("laplace_train_loss")
+
+    # -- the curvature step of the one loop --------------------------------------------
+    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
+        for layer in self._layers(bnn).values():
             layer.reset_curvature()
-        start = time.perf_counter()
-        was_training = bnn.training
-        bnn.eval()
-        try:
-            loss, n = self.accumulate_curvature(bnn, loader, device=device, progress=progress)
-        finally:
-            bnn.train(was_training)
-        for layer in layers.values():
-            for name, buffer in layer.named_buffers():
-                if not name.startswith("base_layer.") and name != "prior_precision":
-                    all_reduce_sum_(buffer)
-        self.train_loss = all_reduce_sum_(loss)
-        n_total = float(all_reduce_sum_(torch.tensor(float(n), dtype=torch.float64)))
-        for layer in layers.values():
-            layer.n_data.fill_(n_total)
+        bnn.state.set("laplace_train_loss", 0.0)
+        bnn.state.set("laplace_fitted", 0)
         self._posterior = None
-        info = {"n_data": n_total, "train_loss": float(self.train_loss),
-                "curvature_seconds": time.perf_counter() - start}
-        info.update(self.tune_prior(bnn, val_loader=val_loader))
-        info["seconds"] = time.perf_counter() - start
-        self.history = info
-        return info
 
-    def accumulate_curvature(self, bnn: BayesianModel, loader: Iterable, *,
-                             device: torch.device, progress: bool = False) -> tuple[torch.Tensor, int]:
-        """Add the GGN of every batch of ``loader`` to the layers' buffers (no reset, no
-        all-reduce); returns (summed cross-entropy at θ*, examples seen). Last layer: one
-        no-grad forward per batch, features captured by the wrapper."""
+    @torch.no_grad()
+    def accumulate(self, bnn: BayesianModel, inputs: Any, labels: torch.Tensor) -> torch.Tensor:
+        """Add one batch's GGN to the layers' buffers and its summed loss to the state.
+        Last layer: one no-grad forward, features captured by the wrapper."""
         layers = self._layers(bnn)
         first = _first(layers)
         dtype = first.n_data.dtype
-        loss = torch.zeros((), dtype=torch.float64, device=device)
-        n = 0
-        bar = tqdm(total=_num_batches(loader) or None, desc="laplace", disable=not progress,
-                   leave=False, dynamic_ncols=True)
-        checked = False
-        for batch in loader:
-            x, y = batch[0].to(device), batch[1].to(device)
-            if self.last_layer:
-                with torch.no_grad(), _capturing(first):
-                    logits = logits_of(bnn.model(x))
-                    feats = self._features(first, logits, check=not checked)
-                    checked = True
-                    if feats is not None:
-                        self._last_layer_batch(first, feats.to(dtype), logits.to(dtype).softmax(-1))
-                if feats is None:  # diag on a layer that is not the logits: Jacobian path
-                    self.last_layer = False
-                    logits = self._subnetwork_batch(bnn, layers, x)
-            else:
-                logits = self._subnetwork_batch(bnn, layers, x)
-            loss += F.cross_entropy(logits.double(), y, reduction="sum")
-            n += x.shape[0]
-            bar.update(1)
-        bar.close()
-        if n == 0:
-            raise BayesifyError("the training loader produced no batches")
-        return loss, n
+        if self.last_layer:
+            with _capturing(first):
+                logits = logits_of(call_model(bnn.model, inputs))
+                feats = self._features(first, logits, check=True)
+                if feats is not None:
+                    _check_finite(logits)
+                    self._last_layer_batch(first, feats.to(dtype), logits.to(dtype).softmax(-1))
+            if feats is None:  # diag on a layer that is not the logits: Jacobian path
+                self.last_layer = False
+                with torch.enable_grad():
+                    logits = self._subnetwork_batch(bnn, layers, inputs)
+        else:
+            with torch.enable_grad():
+                logits = self._subnetwork_batch(bnn, layers, inputs)
+        _check_finite(logits)
+        loss = F.cross_entropy(logits.double(), labels, reduction="sum")
+        total = bnn.state.get_buffer("laplace_train_loss")
+        total.add_(loss.to(total.device, total.dtype))
+        for layer in layers.values():
+            layer.n_data.add_(labels.shape[0])
+        return loss
+
+    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
+                   batch_fn: Any = None) -> dict[str, Any]:
+        """Sum curvature, loss and counts over DDP ranks; then τ by ``prior_method``."""
+        cfg: LaplaceConfig = self.config
+        for layer in self._layers(bnn).values():
+            for name, buffer in layer.named_buffers():
+                if not name.startswith("base_layer.") and name != "prior_precision":
+                    all_reduce_sum_(buffer)
+        all_reduce_sum_(bnn.state.get_buffer("laplace_train_loss"))
+        bnn.state.set("laplace_fitted", 1)
+        self._posterior = None
+        info: dict[str, Any] = {"n_data": float(_first(self._layers(bnn)).n_data),
+                                "train_loss": float(self.train_loss)}
+        if cfg.prior_method == "val_nll" and val_loader is None:
+            raise BayesifyError("prior_method='val_nll' needs fit(..., val_loader=...)")
+        info.update(self.tune_prior(bnn, val_loader=val_loader, batch_fn=batch_fn))
+        return info
 
     def _features(self, layer: LaplaceLayer, logits: torch.Tensor, *, check: bool) -> torch.Tensor | None:
         """ã ``[B, D']`` from the captured input, after checking the layer makes the logits."""
@@ -258,10 +253,15 @@ class LaplaceMethod(Method):
             sizes=sizes,
         )
 
-    def tune_prior(self, bnn: BayesianModel, *, val_loader: Iterable | None = None) -> dict[str, Any]:
+    def tune_prior(self, bnn: BayesianModel, *, val_loader: Iterable | None = None,
+                   batch_fn: Any = None) -> dict[str, Any]:
         """Choose τ by ``prior_method``; returns what was chosen (and the evidence)."""
         cfg: LaplaceConfig = self.config
-        if cfg.prior_method == "marglik":
+        method = cfg.prior_method
+        if method == "auto":
+            method = "val_nll" if val_loader is not None else "marglik"
+        record: dict[str, Any] = {"prior_method": method}
+        if method == "marglik":
             count = len(self._layers(bnn)) if cfg.prior_per_layer else 1
             log_tau = torch.full((count,), math.log(cfg.prior_precision), dtype=torch.float64,
                                  device=bnn.device, requires_grad=True)
@@ -271,85 +271,88 @@ class LaplaceMethod(Method):
                 (-self.log_marginal_likelihood(bnn, log_tau.exp())).backward()
                 opt.step()
             self.set_prior_precision(bnn, log_tau.detach().exp())
-        elif cfg.prior_method == "val_nll":
-            self.set_prior_precision(bnn, self._grid_search(bnn, val_loader))
+        elif method == "val_nll":
+            from bayesify.core.tuning import select_on_validation
+
+            record.update(select_on_validation(
+                bnn, val_loader, set_knob=lambda tau: self.set_prior_precision(bnn, tau),
+                grid=cfg.val_grid, rule=cfg.val_rule, prefer="smallest", batch_fn=batch_fn,
+                name="prior_precision"))
         tau = self.prior_precision(bnn)
         with torch.no_grad():
             evidence = float(self.log_marginal_likelihood(bnn))
-        return {"prior_precision": tau.tolist(), "log_marginal_likelihood": evidence}
-
-    @torch.no_grad()
-    def _grid_search(self, bnn: BayesianModel, val_loader: Iterable) -> float:
-        """τ on a log grid by validation NLL of the predictive ('min' or the one-SE rule)."""
-        low, high, count = self.config.val_grid
-        grid = torch.logspace(math.log10(low), math.log10(high), int(count), dtype=torch.float64)
-        batches = [(b[0].to(bnn.device), b[1].to(bnn.device)) for b in val_loader]
-        per_tau = []
-        for tau in grid.tolist():
-            self.set_prior_precision(bnn, tau)
-            nll = []
-            for x, y in batches:
-                members = self.member_logits(bnn, x, samples_per_component=self.default_samples_per_component(),
-                                             max_rows=4096, seed=0)
-                log_probs = torch.logsumexp(members.double().log_softmax(-1), 0) - math.log(members.shape[0])
-                nll.append(F.nll_loss(log_probs, y, reduction="none"))
-            per_tau.append(torch.cat(nll))
-        means = torch.stack([v.mean() for v in per_tau])
-        best = int(means.argmin())
-        if self.config.val_rule == "min":
-            return float(grid[best])
-        se = per_tau[best].std() / math.sqrt(per_tau[best].numel())
-        return float(grid[int(torch.nonzero(means <= means[best] + se)[0])])
+        record.update({"prior_precision": tau.tolist(), "log_marginal_likelihood": evidence})
+        return record
 
     # -- prediction ------------------------------------------------------------------------
     def default_samples_per_component(self) -> int:
         return self.config.predict_samples if self.config.link == "mc" else 1
 
+    def predictive(self, bnn: BayesianModel, x: Any, *, samples_per_component: int,
+                   max_rows: int, seed: int | None = None, deterministic: bool = False) -> Any:
+        """Linearised (GLM) predictive: a Gaussian over the logits ``(f*, diag Σ_f)``
+        with the probit or bridge link applied last; MC samples for ``link='mc'``."""
+        from bayesify.core.prediction import Prediction
+
+        if deterministic or self.train_loss is None or self.config.link == "mc":
+            return super().predictive(bnn, x, samples_per_component=samples_per_component,
+                                      max_rows=max_rows, seed=seed, deterministic=deterministic)
+        logits, fvar = self._moments(bnn, x)
+        return Prediction(mean=logits.float(), variance=fvar[0].float(), link=self.config.link,
+                          rowsum=fvar[1].float(), total=fvar[2].float())
+
     def member_logits(
         self,
         bnn: BayesianModel,
-        x: torch.Tensor,
+        x: Any,
         *,
         samples_per_component: int,
         max_rows: int,
         seed: int | None = None,
         deterministic: bool = False,
     ) -> torch.Tensor:
-        """``[M, B, C]``; probit/bridge: M = 1 log predictive probabilities; mc: M samples."""
+        """``[M, B, C]``: the MAP logits (deterministic / not fitted), the MC samples of
+        ``link='mc'``, else samples of the Gaussian predictive (see ``predictive``)."""
         if deterministic or self.train_loss is None:
-            return logits_of(bnn.model(x)).unsqueeze(0)
+            return logits_of(call_model(bnn.model, x)).unsqueeze(0)
+        if self.config.link != "mc":
+            return self.predictive(bnn, x, samples_per_component=samples_per_component,
+                                   max_rows=max_rows, seed=seed).member_logits
         posterior = self.posterior(bnn)
         layers = self._layers(bnn)
         tau = self.prior_precision(bnn)
-        link = self.config.link
         if self.last_layer:
             layer = _first(layers)
             with _capturing(layer):
-                logits = logits_of(bnn.model(x))
+                logits_of(call_model(bnn.model, x))
                 feats = curv.augmented_features(layer.captured[0], layer.has_bias).to(posterior.mean.dtype)
-            if link == "mc":
-                return self._mc_last_layer(posterior, feats, tau, samples_per_component, max_rows, seed)
-            fvar = posterior.functional_variance(feats, tau)
-        else:
-            params = curv.subnetwork_parameters(bnn.model, self._param_names(layers))
-            pieces, logits_all = [], []
-            for _, xc in curv.example_chunks(x, self._chunk(bnn, x, posterior.num_params)):
-                jac, f = curv.per_example_jacobians(bnn.model, params, xc)
-                logits_all.append(f.detach())
-                if link == "mc":
-                    pieces.append(self._mc_subnetwork(posterior, jac.detach(), f.detach(), tau,
-                                                      samples_per_component, seed))
-                else:
-                    pieces.append(posterior.functional_variance_from_jacobians(jac.detach(), tau))
-            if link == "mc":
-                return torch.cat(pieces, dim=1)
-            logits = torch.cat(logits_all)
-            fvar = tuple(torch.cat([p[i] for p in pieces]) for i in range(3))
-        out_dtype = logits.dtype
-        logits = logits.to(fvar[0].dtype)
-        if link == "probit":
-            return post.probit_log_probs(logits, fvar[0]).to(out_dtype).unsqueeze(0)
-        return post.bridge_log_probs(logits, fvar).to(out_dtype).unsqueeze(0)
+            return self._mc_last_layer(posterior, feats, tau, samples_per_component, max_rows, seed)
+        params = curv.subnetwork_parameters(bnn.model, self._param_names(layers))
+        pieces = []
+        for _, xc in curv.example_chunks(x, self._chunk(bnn, x, posterior.num_params)):
+            jac, f = curv.per_example_jacobians(bnn.model, params, xc)
+            pieces.append(self._mc_subnetwork(posterior, jac.detach(), f.detach(), tau,
+                                              samples_per_component, seed))
+        return torch.cat(pieces, dim=1)
+
+    def _moments(self, bnn: BayesianModel, x: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """MAP logits ``[B, C]`` and the functional variance ``(diag, rowsum, total)``."""
+        posterior = self.posterior(bnn)
+        layers = self._layers(bnn)
+        tau = self.prior_precision(bnn)
+        if self.last_layer:
+            layer = _first(layers)
+            with _capturing(layer):
+                logits = logits_of(call_model(bnn.model, x))
+                feats = curv.augmented_features(layer.captured[0], layer.has_bias).to(posterior.mean.dtype)
+            return logits, posterior.functional_variance(feats, tau)
+        params = curv.subnetwork_parameters(bnn.model, self._param_names(layers))
+        pieces, logits_all = [], []
+        for _, xc in curv.example_chunks(x, self._chunk(bnn, x, posterior.num_params)):
+            jac, f = curv.per_example_jacobians(bnn.model, params, xc)
+            logits_all.append(f.detach())
+            pieces.append(posterior.functional_variance_from_jacobians(jac.detach(), tau))
+        return torch.cat(logits_all), tuple(torch.cat([p[i] for p in pieces]) for i in range(3))
 
     @staticmethod
     def _mc_last_layer(posterior: Any, feats: torch.Tensor, tau: torch.Tensor, samples: int,
@@ -379,27 +382,6 @@ class LaplaceMethod(Method):
         return export_laplace(self, bnn, samples_per_component=samples_per_component, seed=seed,
                               example_input=example_input,
                               deterministic=bnn.context.force_deterministic)
-
-    # -- persistence ----------------------------------------------------------------------------
-    def posterior_state(self, bnn: BayesianModel) -> dict[str, torch.Tensor]:
-        """Curvature buffers, τ and N keyed by base-model module names, plus the training loss."""
-        state = {f"{lname}.{key}": value for lname, layer in self._layers(bnn).items()
-                 for key, value in layer.named_buffers() if not key.startswith("base_layer.")}
-        if self.train_loss is not None:
-            state["laplace.train_loss"] = self.train_loss.detach().reshape(1)
-        state["laplace.last_layer"] = torch.tensor([int(self.last_layer)])
-        return state
-
-    def load_posterior_state(self, bnn: BayesianModel, state: dict[str, torch.Tensor]) -> None:
-        for lname, layer in self._layers(bnn).items():
-            for key, buffer in layer.named_buffers():
-                if not key.startswith("base_layer."):
-                    buffer.copy_(state[f"{lname}.{key}"])
-        if "laplace.train_loss" in state:
-            self.train_loss = state["laplace.train_loss"].reshape(()).to(torch.float64)
-        if "laplace.last_layer" in state:
-            self.last_layer = bool(int(state["laplace.last_layer"][0]))
-        self._posterior = None
 
     # -- helpers -------------------------------------------------------------------------------
     @staticmethod
@@ -444,3 +426,11 @@ def _num_batches(loader: Iterable) -> int:
         return len(loader)  # type: ignore[arg-type]
     except TypeError:
         return 0
+
+
+def _check_finite(logits: torch.Tensor) -> None:
+    if not torch.isfinite(logits).all():
+        raise BayesifyError(
+            "the model produced non-finite logits on a training batch (NaN/inf in the inputs "
+            "or the network); Laplace needs finite inputs — clean the data first"
+        )

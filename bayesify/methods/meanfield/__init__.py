@@ -1,5 +1,6 @@
 """Mean-field Gaussian weight posterior: Bayes by Backprop (Blundell et al. 2015)."""
 
+from bayesify.core.priors import WeightPrior, gaussian_kl, scale_mixture_log_prob
 from bayesify.methods.meanfield.config import MeanFieldConfig
 from bayesify.methods.meanfield.layers import MeanFieldLayer
 from bayesify.methods.meanfield.method import (
@@ -7,7 +8,6 @@ from bayesify.methods.meanfield.method import (
     blundell_log_weight,
     minibatch_kl_weight,
 )
-from bayesify.methods.meanfield.priors import WeightPrior, gaussian_kl, scale_mixture_log_prob
 from bayesify.methods.meanfield.pruning import PruneResult, magnitude_prune, snr_prune
 
 __all__ = [

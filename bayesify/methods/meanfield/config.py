@@ -2,37 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from bayesify.core.config import MethodConfig, option, require
-from bayesify.methods.meanfield.priors import PRIORS
+from bayesify.core.config import option, require
+from bayesify.core.priors import WeightPriorConfig
 
 SAMPLING_MODES = ("local_reparam", "flipout", "weights")
 PREDICT_SAMPLING_MODES = ("auto", "weights", "local_reparam")
 KL_WEIGHTINGS = ("uniform", "blundell")
-
-
-@dataclass(frozen=True)
-class WeightPriorConfig(MethodConfig):
-    """Prior fields shared by the weight-space families (meanfield, hypernet)."""
-
-    prior: str = option(
-        "gaussian",
-        "Weight prior: 'gaussian' N(0, σ²), 'pretrained' N(w₀, σ²) centred on the pretrained "
-        "weights, or 'scale_mixture' π N(0, σ₁²) + (1−π) N(0, σ₂²) per weight.",
-    )
-    prior_std: float = option(1.0, "σ of the 'gaussian' and 'pretrained' priors.")
-    mixture_pi: float = option(0.5, "π of the scale-mixture prior.")
-    mixture_std1: float = option(1.0, "σ₁ (wide component) of the scale-mixture prior.")
-    mixture_std2: float = option(math.exp(-6), "σ₂ (narrow component) of the scale-mixture prior.")
-
-    def validate(self) -> None:
-        require(self.prior in PRIORS, f"prior must be one of {PRIORS}, got {self.prior!r}")
-        require(self.prior_std > 0, f"prior_std must be > 0, got {self.prior_std}")
-        require(0.0 <= self.mixture_pi <= 1.0, f"mixture_pi must be in [0, 1], got {self.mixture_pi}")
-        require(self.mixture_std1 > 0 and self.mixture_std2 > 0,
-                f"mixture stds must be > 0, got {self.mixture_std1}, {self.mixture_std2}")
 
 
 @dataclass(frozen=True)

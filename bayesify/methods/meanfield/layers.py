@@ -23,14 +23,14 @@ from torch import nn
 from bayesify.core.context import SamplingContext
 from bayesify.core.gaussian import inverse_softplus
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis
-from bayesify.methods.meanfield.config import MeanFieldConfig
-from bayesify.methods.meanfield.functional import (
+from bayesify.core.priors import WeightPrior
+from bayesify.core.weightspace import (
     apply_layer,
     batched_apply,
     member_normal,
     member_rows,
 )
-from bayesify.methods.meanfield.priors import WeightPrior
+from bayesify.methods.meanfield.config import MeanFieldConfig
 
 #: keeps sqrt(var) differentiable where an input row is exactly zero (ReLU, padding)
 _VAR_EPS = 1e-16
@@ -82,6 +82,11 @@ class MeanFieldLayer(BayesianLayer):
 
     def _mean_bias(self) -> torch.Tensor | None:
         return self.bias_mu if self.bias_mu is not None else self._fixed_bias()
+
+    def mean_weight(self, name: str) -> torch.Tensor | None:
+        """μ of the Gaussian posterior (the base tensor where it is not variational)."""
+        mu = self._parameters.get(f"{name}_mu")
+        return mu if mu is not None else getattr(self.base_layer, name)
 
     def num_nodes(self) -> int:
         """Random variables of the posterior: every weight and bias."""

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from bayesify.core.method import Method, wrapper_table
+from bayesify.core.weight_members import export_weight_members
+from bayesify.core.weightspace import member_training_forward
 from bayesify.errors import BayesifyError
 from bayesify.methods.meanfield.config import MeanFieldConfig
-from bayesify.methods.meanfield.export import export_weight_members
-from bayesify.methods.meanfield.functional import member_training_forward
 from bayesify.methods.meanfield.layers import MeanFieldLayer
 
 if TYPE_CHECKING:

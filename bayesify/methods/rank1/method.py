@@ -8,9 +8,9 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.method import wrapper_table
+from bayesify.core.rank_one import RankOneLayer
+from bayesify.core.tiled import TiledMethod
 from bayesify.methods.rank1.config import Rank1Config
-from bayesify.methods.rank1.layers import RankOneLayer
-from bayesify.methods.rank1.tiled import TiledMethod
 
 
 class Rank1Layer(RankOneLayer):

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from bayesify.core.batch import Batch, iter_batches
 from bayesify.methods.swag.posterior import all_reduce_mean_
 
 _BN = nn.modules.batchnorm._BatchNorm
@@ -37,17 +39,17 @@ def batchnorm_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def limited_inputs(loader: Iterable, device: torch.device, fraction: float) -> Iterator[torch.Tensor]:
+def limited_inputs(loader: Iterable, device: torch.device, fraction: float,
+                   batch_fn: Any = None) -> Iterator[Batch]:
     """Inputs of the first ``ceil(fraction · len(loader))`` batches (all when len is unknown)."""
     try:
         limit = max(1, math.ceil(fraction * len(loader)))  # type: ignore[arg-type]
     except TypeError:
         limit = None
-    for i, batch in enumerate(loader):
+    for i, batch in enumerate(iter_batches(loader, device=device, batch_fn=batch_fn)):
         if limit is not None and i >= limit:
             break
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        yield x.to(device)
+        yield batch.inputs_only()
 
 
 @torch.no_grad()
@@ -58,6 +60,7 @@ def recompute_batchnorm(
     *,
     fraction: float,
     device: torch.device,
+    batch_fn: Any = None,
 ) -> dict[str, torch.Tensor]:
     """Running statistics of every BatchNorm layer of ``model`` evaluated at ``params``.
 
@@ -79,8 +82,8 @@ def recompute_batchnorm(
         for m in bns.values():
             m.momentum = None
             m.train()
-        for x in limited_inputs(loader, device, fraction):
-            functional_call(model, {**params, **state}, (x,))
+        for batch in limited_inputs(loader, device, fraction, batch_fn):
+            functional_call(model, {**params, **state}, batch.args, batch.kwargs)
     finally:
         for name, m in bns.items():
             m.momentum = momenta[name]

@@ -20,14 +20,15 @@ class SWAGConfig(MethodConfig):
         None, "Covariance scale of the samples; None: 0.5 for 'swag', 1.0 for 'diag'."
     )
     scale_method: str = option(
-        "fixed", "'fixed' (use scale) or 'val_nll': choose the scale from scale_grid by the "
-        "validation NLL of the predictive on fit(val_loader=...) (rule: val_rule)."
+        "auto", "'auto' ('val_nll' when fit gets a val_loader, else 'fixed'), 'fixed' (use "
+        "scale) or 'val_nll': choose the scale from scale_grid by the validation NLL of the "
+        "predictive on fit(val_loader=...) (rule: val_rule)."
     )
     scale_grid: tuple[float, float, int] = option(
         (0.1, 1000.0, 13), "(low, high, count): log-spaced scale grid of scale_method='val_nll'."
     )
     val_rule: str = option(
-        "min", "val_nll choice: 'min' (lowest validation NLL) or 'one_se' (the broadest "
+        "one_se", "val_nll choice: 'min' (lowest validation NLL) or 'one_se' (the broadest "
         "posterior, i.e. largest scale, whose validation NLL is within one standard error of "
         "the lowest — the one-standard-error rule, as in the Laplace family)."
     )
@@ -39,8 +40,9 @@ class SWAGConfig(MethodConfig):
     lr_min: float = option(0.0, "Lowest learning rate of the cyclic schedule.")
     momentum: float = option(0.9, "SGD momentum of the collection run.")
     weight_decay: float = option(5e-4, "SGD weight decay of the collection run.")
-    snapshot_every: float = option(
-        1.0, "Snapshot period in epochs; fractions of an epoch are allowed (e.g. 0.25)."
+    snapshot_every: float | None = option(
+        None, "Snapshot period in epochs; fractions of an epoch are allowed (e.g. 0.25). "
+        "None: spread max_rank snapshots evenly over the whole run (at least 2 steps needed)."
     )
     snapshot_every_steps: int = option(
         0, "Snapshot every k SGD steps instead of per epoch fraction (0: use snapshot_every)."
@@ -66,8 +68,8 @@ class SWAGConfig(MethodConfig):
         require(isinstance(self.max_rank, int) and self.max_rank >= 2,
                 f"max_rank must be an integer >= 2, got {self.max_rank!r}")
         require(self.scale is None or self.scale >= 0, f"scale must be >= 0, got {self.scale}")
-        require(self.scale_method in ("fixed", "val_nll"),
-                f"scale_method must be 'fixed' or 'val_nll', got {self.scale_method!r}")
+        require(self.scale_method in ("auto", "fixed", "val_nll"),
+                f"scale_method must be 'auto', 'fixed' or 'val_nll', got {self.scale_method!r}")
         low, high, count = self.scale_grid
         require(0 < low < high and int(count) >= 2,
                 f"scale_grid must be (low, high, count) with 0 < low < high, count >= 2; "
@@ -79,7 +81,8 @@ class SWAGConfig(MethodConfig):
                 f"lr_schedule must be 'constant' or 'cyclic', got {self.lr_schedule!r}")
         require(0 <= self.momentum < 1, f"momentum must lie in [0, 1), got {self.momentum}")
         require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
-        require(self.snapshot_every > 0, f"snapshot_every must be > 0, got {self.snapshot_every}")
+        require(self.snapshot_every is None or self.snapshot_every > 0,
+                f"snapshot_every must be None or > 0, got {self.snapshot_every}")
         require(isinstance(self.snapshot_every_steps, int) and self.snapshot_every_steps >= 0,
                 f"snapshot_every_steps must be an integer >= 0, got {self.snapshot_every_steps!r}")
         require(0 <= self.bn_update_fraction <= 1,

@@ -15,17 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from bayesify.methods.swag import posterior as post
-
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
     from bayesify.methods.swag.method import SWAGMethod
 
 
 def _unwrapped_name(name: str) -> str:
-    """``"fc.base_layer.weight" → "fc.weight"`` (functional_call key → unwrapped module key)."""
-    parts = [p for p in name.split(".") if p != "base_layer"]
-    return ".".join(parts)
+    """``"fc.theta.weight" → "fc.weight"`` (functional_call key → unwrapped module key)."""
+    parts = [p for p in name.split(".") if p not in ("base_layer", "theta")]
+    return ".".join(parts).replace("__", ".")
 
 
 @torch.no_grad()
@@ -43,11 +41,16 @@ def member_network(bnn: BayesianModel, state: dict[str, torch.Tensor]) -> nn.Mod
 def export_swag(method: SWAGMethod, bnn: BayesianModel, *, samples_per_component: int,
                 seed: int, example_input: torch.Tensor, deterministic: bool) -> nn.Module:
     """``x → [N, B, C]``: the predictor's N sampled networks (1 for 'swa' / deterministic)."""
-    from bayesify.predict.export import StackedModels
+    from bayesify.core.stacked import StackedModels
 
     layers = method._layers(bnn)
-    if deterministic or method.config.variant == "swa" or post.snapshots(layers) == 0:
-        return StackedModels([bnn.unwrap()])  # in process: θ̄ with its BatchNorm statistics
+    if deterministic or method.config.variant == "swa" or not bnn.state.value("swag_fitted"):
+        # in process: θ̄ (the working copies) with the BatchNorm statistics of θ̄
+        mean = {f"{n}.theta.{k}": v.detach() for n, layer in layers.items()
+                for k, v in layer.theta.items()}
+        for n, w in method._bn_wrappers(bnn).items():
+            mean.update({f"{n}.running_mean": w.running_mean, f"{n}.running_var": w.running_var})
+        return StackedModels([member_network(bnn, mean)])
     num = samples_per_component
     bn_stats = method.member_batchnorm(bnn, num, seed)
     return StackedModels([member_network(bnn, {**method.sample(bnn, m, seed), **bn_stats[m]})

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer
@@ -80,7 +82,13 @@ class SWAGMoments(nn.Module):
 
 
 class SWAGLayer(BayesianLayer):
-    """Wraps a Linear/Conv; holds :class:`SWAGMoments` of its parameters (weight, bias)."""
+    """Wraps a Linear/Conv with a trainable copy ``theta`` of its parameters and the
+    :class:`SWAGMoments` of that copy.
+
+    SGD moves ``theta`` (never the base layer's own tensors, so ``unwrap()`` is the
+    original network); after ``fit`` ``theta`` holds θ̄, the SWA solution. Prediction
+    swaps sampled values in for ``theta.*`` with ``torch.func.functional_call``.
+    """
 
     def __init__(self, base_layer: nn.Module, *, context: SamplingContext, config: SWAGConfig) -> None:
         super().__init__(base_layer, context)
@@ -88,18 +96,29 @@ class SWAGLayer(BayesianLayer):
         weight = next(iter(params.values()))
         dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
         self.param_names = list(params)
+        self.theta = nn.ParameterDict({n.replace(".", "__"): nn.Parameter(p.detach().clone())
+                                       for n, p in params.items()})
         self.moments = SWAGMoments(
             {n.replace(".", "__"): p.shape for n, p in params.items()},
             rank=config.max_rank, dtype=dtype, device=weight.device,
             pinned_to_cpu=config.moments_on_cpu,
         )
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return self.base_layer(x, *args, **kwargs)
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        values = {n: self.theta[n.replace(".", "__")] for n in self.param_names}
+        return functional_call(self.base_layer, values, args, kwargs)
+
+    def mean_weight(self, name: str) -> torch.Tensor | None:
+        key = name.replace(".", "__")
+        if key in self.theta:
+            return self.theta[key]
+        if name == "bias":
+            return None
+        raise AttributeError(name)
 
     def base_values(self) -> dict[str, torch.Tensor]:
-        """Current values of the wrapped parameters, keyed like the moments."""
-        return {n.replace(".", "__"): p for n, p in self.base_layer.named_parameters()}
+        """Current values of the working copy, keyed like the moments."""
+        return dict(self.theta.items())
 
     def num_nodes(self) -> int:
         return sum(p.numel() for p in self.base_layer.parameters())
@@ -107,3 +126,42 @@ class SWAGLayer(BayesianLayer):
     def extra_repr(self) -> str:
         return (f"params={self.num_nodes()}, rank={self.moments.rank}, "
                 f"snapshots={int(self.moments.count)}, on_cpu={self.moments.pinned_to_cpu}")
+
+
+class SWAGBatchNorm(BayesianLayer):
+    """A BatchNorm whose running statistics belong to the posterior, not the base.
+
+    ``running_mean`` / ``running_var`` ``[C]``: the statistics of θ̄ (recomputed by
+    ``fit``; the pretrained ones until then), used in eval mode; ``member_mean`` /
+    ``member_var`` ``[N, C]``: those of the N sampled networks of the default
+    predictor (seed 0), stored so that a reloaded posterior predicts exactly as the
+    fitted one without the training data. The base BatchNorm is never changed.
+    """
+
+    def __init__(self, base_layer: nn.Module, *, context: SamplingContext, members: int) -> None:
+        super().__init__(base_layer, context)
+        mean, var = base_layer.running_mean.detach(), base_layer.running_var.detach()
+        self.register_buffer("running_mean", mean.clone())
+        self.register_buffer("running_var", var.clone())
+        self.register_buffer("member_mean", mean.clone().unsqueeze(0).repeat(members, 1))
+        self.register_buffer("member_var", var.clone().unsqueeze(0).repeat(members, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.base_layer
+        if base.training:  # BatchNorm trained on purpose (bn_train) or statistics recomputed
+            return base(x)
+        return F.batch_norm(x, self.running_mean, self.running_var, base.weight, base.bias,
+                            False, 0.0, base.eps)
+
+    def mean_weight(self, name: str) -> torch.Tensor | None:
+        return getattr(self.base_layer, name)
+
+
+def swag_batchnorm_wrappers(model: nn.Module, context: SamplingContext, members: int,
+                            targets: list[str]) -> dict[str, SWAGBatchNorm]:
+    """A :class:`SWAGBatchNorm` for every BatchNorm that tracks statistics (not installed)."""
+    inside = tuple(f"{t}." for t in targets)
+    return {name: SWAGBatchNorm(m, context=context, members=members)
+            for name, m in model.named_modules()
+            if name and isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+            and m.running_mean is not None and not name.startswith(inside)}

@@ -1,34 +1,35 @@
 """SWAG family: SGD from the pretrained weights, moments collection, sampled networks.
 
-``fit`` runs SGD on the wrapped parameters with the trainer's batch layout
-(``bnn.training_forward``), snapshots every k steps (or fraction of an epoch) into
-each layer's :class:`SWAGMoments`, then installs the running mean θ̄ as the base
-weights with recomputed BatchNorm statistics (so ``bnn(x)`` is the SWA network).
-Prediction draws N networks from the member seeds, recomputes BatchNorm for each
-(cached), and evaluates them with ``torch.func.functional_call`` in vmapped chunks.
+The one training loop (``training = "snapshot"``) runs SGD on each wrapped layer's
+working copy ``theta`` (the base weights never change); ``after_step`` snapshots
+every k steps (or fraction of an epoch) into each layer's :class:`SWAGMoments`.
+``finish_fit`` sets ``theta`` to the running mean θ̄ (so ``bnn(x)`` is the SWA
+network), recomputes the BatchNorm statistics of θ̄ and of the default predictor's
+N members into :class:`SWAGBatchNorm` buffers, and chooses the covariance scale on
+the validation split when one is given. Prediction draws N networks from the
+member seeds and evaluates them with ``torch.func.functional_call`` in vmapped
+chunks. Everything a predictor needs is a buffer or parameter: saved generically.
 """
 
 from __future__ import annotations
 
-import math
-import time
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
-from tqdm.auto import tqdm
 
-from bayesify.core.method import Method, logits_of
-from bayesify.errors import BayesifyError, NonFiniteLossError
+from bayesify.core.batch import Batch
+from bayesify.core.layers import BayesianLayer
+from bayesify.core.method import Method, batch_rows, call_model, logits_of
+from bayesify.errors import BayesifyError
 from bayesify.methods.swag import posterior as post
-from bayesify.methods.swag.batchnorm import batchnorm_state, recompute_batchnorm
+from bayesify.methods.swag.batchnorm import recompute_batchnorm
 from bayesify.methods.swag.config import SWAGConfig
 from bayesify.methods.swag.export import export_swag
-from bayesify.methods.swag.layers import SWAGLayer
+from bayesify.methods.swag.layers import SWAGBatchNorm, SWAGLayer, swag_batchnorm_wrappers
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -37,11 +38,12 @@ SnapshotCallback = Callable[[int, dict[str, torch.Tensor]], None]
 
 
 class SWAGMethod(Method):
-    """SWA / SWAG-diagonal / SWAG around the pretrained weights (post-hoc, not ELBO-trained)."""
+    """SWA / SWAG-diagonal / SWAG around the pretrained weights (SGD snapshots)."""
 
     name = "swag"
     config_cls = SWAGConfig
-    gradient_trained = False
+    training = "snapshot"
+    unsupported_fit_options = ("kl_anneal_epochs", "beta")
     wrappers: ClassVar = {
         nn.Linear: SWAGLayer,
         nn.Conv1d: SWAGLayer,
@@ -54,206 +56,181 @@ class SWAGMethod(Method):
 
     def __init__(self, config: SWAGConfig) -> None:
         super().__init__(config)
+        #: loader of the BatchNorm recomputation for predictors other than the stored
+        #: one (another seed or more members); runtime only, never saved
         self.bn_loader: Iterable | None = None
+        self.batch_fn: Any = None
         self._bn_cache: dict[tuple[int | None, int], list[dict[str, torch.Tensor]]] = {}
         self._vmap_ok = config.vectorize
-        self.scale = config.sample_scale  # the covariance scale in use (fit may choose it)
 
-    # -- fitting ---------------------------------------------------------------------
-    def fit(
-        self,
-        bnn: BayesianModel,
-        loader: Iterable,
-        *,
-        epochs: int = 1,
-        lr: float | None = None,
-        device: torch.device | None = None,
-        progress: bool = True,
-        snapshot_callback: SnapshotCallback | None = None,
-        bn_loader: Iterable | None = None,
-        val_loader: Iterable | None = None,
-        **unknown: Any,
-    ) -> dict[str, Any]:
-        """Collect SWAG moments along an SGD run of ``epochs`` over ``loader``.
+    def unsupported_reason(self) -> str:
+        return "SWAG runs plain SGD (no KL term)"
 
-        ``snapshot_callback(t, {name: θ_t})`` is called after every snapshot (for
-        logging or a naive reference). ``bn_loader`` (default ``loader``) feeds the
-        BatchNorm recomputation of every sampled network. ``val_loader`` feeds the
-        scale choice of ``scale_method='val_nll'`` (see :meth:`select_scale`).
-        """
-        if unknown:
-            raise BayesifyError(f"unknown fit option(s) {sorted(unknown)} for method 'swag'; "
-                                "valid: snapshot_callback, bn_loader, val_loader")
+    # -- structure and state --------------------------------------------------------
+    def extra_wrappers(self, model: nn.Module, context: Any,
+                       targets: list[str]) -> dict[str, BayesianLayer]:
+        """BatchNorm statistics belong to the posterior: one :class:`SWAGBatchNorm` each."""
+        return dict(swag_batchnorm_wrappers(model, context, self.config.predict_samples, targets))
+
+    def prepare(self, bnn: BayesianModel) -> None:
+        bnn.state.add("swag_scale", torch.tensor(self.config.sample_scale, dtype=torch.float64))
+        bnn.state.add("swag_period", torch.zeros((), dtype=torch.long))
+        #: whether member_mean/var of the BatchNorm wrappers hold the seed-0 members
+        bnn.state.add("swag_bn_members", torch.zeros((), dtype=torch.long))
+        #: 1 once fit finished: until then the predictive is the current iterate θ
+        bnn.state.add("swag_fitted", torch.zeros((), dtype=torch.long))
+
+    def scale(self, bnn: BayesianModel) -> float:
+        return bnn.state.value("swag_scale")
+
+    def fit_defaults(self) -> dict[str, Any]:
         cfg: SWAGConfig = self.config
-        layers = self._layers(bnn)
-        device = device or bnn.device
-        params = {name: layer.base_layer.get_parameter(name.rsplit(".", 1)[1])
-                  for name, layer, _ in post.parameter_keys(layers)}
-        steps_per_epoch = _num_batches(loader)
-        period = cfg.snapshot_every_steps or max(1, round(cfg.snapshot_every * max(steps_per_epoch, 1)))
-        base_lr = cfg.lr if lr is None else float(lr)
-        for layer in layers.values():
+        return {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
+
+    # -- the snapshot step ------------------------------------------------------------
+    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
+        cfg: SWAGConfig = self.config
+        total = epochs * steps_per_epoch
+        if cfg.snapshot_every_steps:
+            period = cfg.snapshot_every_steps
+        elif cfg.snapshot_every is not None:
+            period = max(1, round(cfg.snapshot_every * max(steps_per_epoch, 1)))
+        else:  # max_rank snapshots spread over the run: the low-rank part is full at the end
+            period = max(1, total // cfg.max_rank) if total else max(1, steps_per_epoch)
+        if cfg.variant != "swa" and total and total // period < 2:
+            raise BayesifyError(
+                f"SWAG would collect {total // period} snapshot(s) in {epochs} epoch(s) × "
+                f"{steps_per_epoch} step(s) with one every {period} step(s); a posterior needs "
+                "at least 2 (its spread is zero otherwise). Raise epochs or lower "
+                "snapshot_every / snapshot_every_steps"
+            )
+        bnn.state.set("swag_period", period)
+        bnn.state.set("swag_fitted", 0)
+        bnn.state.set("swag_bn_members", 0)
+        for layer in self._layers(bnn).values():
             layer.moments.reset()
-        flags = {name: p.requires_grad for name, p in bnn.model.named_parameters()}
-        for p in bnn.model.parameters():
-            p.requires_grad_(False)
-        for p in params.values():
-            p.requires_grad_(True)
-        opt = torch.optim.SGD(list(params.values()), lr=base_lr, momentum=cfg.momentum,
-                              weight_decay=cfg.weight_decay)
-        start, step, losses = time.perf_counter(), 0, []
-        bar = tqdm(total=epochs * steps_per_epoch or None, desc="swag", disable=not progress,
-                   leave=False, dynamic_ncols=True)
-        bnn.train()
-        try:
-            for epoch in range(epochs):
-                for x, y in _batches(loader, device):
-                    for group in opt.param_groups:
-                        group["lr"] = self._lr_at(step, period, base_lr)
-                    loss = self._sgd_step(bnn, opt, params, x, y, epoch, step)
-                    losses.append(loss)
-                    step += 1
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}", snapshots=int(_first(layers).moments.count))
-                    if step % period == 0:
-                        self._snapshot(layers, params, snapshot_callback)
-        finally:
-            bar.close()
-            for name, p in bnn.model.named_parameters():
-                p.requires_grad_(flags[name])
-            bnn.eval()
-        if step == 0:
-            raise BayesifyError("the training loader produced no batches")
+
+    def before_step(self, bnn: BayesianModel, state: Any) -> None:
+        cfg: SWAGConfig = self.config
+        if cfg.lr_schedule != "cyclic":
+            return
+        period = int(bnn.state.value("swag_period"))
+        t = ((state.global_step % period) + 1) / period  # Izmailov et al.: t(i) = (mod(i−1, c) + 1)/c
+        for group, base in zip(state.optimizer.param_groups, state.base_lrs):
+            group["lr"] = (1.0 - t) * base + t * cfg.lr_min
+
+    @torch.no_grad()
+    def after_step(self, bnn: BayesianModel, state: Any) -> None:
+        """Snapshot θ every ``period`` optimiser steps (identical on every DDP rank)."""
+        if state.global_step % int(bnn.state.value("swag_period")) == 0:
+            for layer in self._layers(bnn).values():
+                layer.moments.update({k: v.detach() for k, v in layer.theta.items()})
+
+    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
+                   batch_fn: Any = None) -> dict[str, Any]:
+        """θ ← θ̄; BatchNorm statistics of θ̄ and of the stored members; scale on validation."""
+        layers = self._layers(bnn)
         taken = post.snapshots(layers)
         if taken == 0:
-            raise BayesifyError(
-                f"no SWAG snapshot was collected in {step} SGD steps (one every {period}); "
-                "raise epochs or lower snapshot_every / snapshot_every_steps"
-            )
-        self.install_mean(bnn, bn_loader or loader)
-        self.scale = cfg.sample_scale
-        if cfg.scale_method == "val_nll":
-            if val_loader is None:
-                raise BayesifyError("scale_method='val_nll' needs fit(..., val_loader=...) "
-                                    "(a held-out split); or use scale_method='fixed'")
-            self.select_scale(bnn, val_loader)
-        return {"scale": self.scale, "snapshots": taken, "rank": post.collected_rank(layers), "steps": step,
-                "snapshot_period_steps": period, "loss": sum(losses) / len(losses),
-                "seconds": time.perf_counter() - start}
-
-    def _lr_at(self, step: int, period: int, base_lr: float) -> float:
+            raise BayesifyError("no SWAG snapshot was collected; raise epochs or lower "
+                                "snapshot_every / snapshot_every_steps")
+        with torch.no_grad():
+            for layer in layers.values():
+                for key, value in layer.theta.items():
+                    value.copy_(layer.moments.mean(key).to(value.device, value.dtype))
+        self.bn_loader, self.batch_fn = train_loader, batch_fn  # this rank's shard
+        bnn.state.set("swag_fitted", 1)
+        self._store_batchnorm(bnn)
+        record: dict[str, Any] = {"snapshots": taken, "rank": post.collected_rank(layers)}
         cfg: SWAGConfig = self.config
-        if cfg.lr_schedule == "constant":
-            return base_lr
-        t = ((step % period) + 1) / period  # Izmailov et al.: t(i) = (mod(i−1, c) + 1)/c
-        return (1.0 - t) * base_lr + t * cfg.lr_min
-
-    def _sgd_step(self, bnn: BayesianModel, opt: torch.optim.Optimizer,
-                  params: dict[str, nn.Parameter], x: torch.Tensor, y: torch.Tensor,
-                  epoch: int, step: int) -> float:
-        logits, targets = bnn.training_forward(x, y)
-        loss = F.cross_entropy(logits.float(), targets)
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(
-                f"non-finite SWAG loss at epoch {epoch}, step {step}; lower lr (now "
-                f"{opt.param_groups[0]['lr']:.3g}) or check the inputs for NaN/inf"
-            )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        for p in params.values():  # what DDP would do: every rank takes the same step
-            if p.grad is not None:
-                post.all_reduce_mean_(p.grad)
-        opt.step()
-        return loss.item()
+        if cfg.variant != "swa" and (cfg.scale_method == "val_nll"
+                                     or (cfg.scale_method == "auto" and val_loader is not None)):
+            if val_loader is None:
+                raise BayesifyError("scale_method='val_nll' needs fit(..., val_loader=...)")
+            record.update(self.select_scale(bnn, val_loader, batch_fn=batch_fn))
+        record["scale"] = self.scale(bnn)
+        return record
 
     @torch.no_grad()
-    def _snapshot(self, layers: dict[str, SWAGLayer], params: dict[str, nn.Parameter],
-                  callback: SnapshotCallback | None) -> None:
-        values = {name: post.all_reduce_mean_(p.detach().clone()) for name, p in params.items()}
-        by_layer: dict[str, dict[str, torch.Tensor]] = {}
-        for name, layer, key in post.parameter_keys(layers):
-            by_layer.setdefault(name.split(".base_layer.")[0], {})[key] = values[name]
-        for lname, layer in layers.items():
-            layer.moments.update(by_layer[lname])
-        if callback is not None:
-            callback(post.snapshots(layers), values)
-
-    @torch.no_grad()
-    def install_mean(self, bnn: BayesianModel, bn_loader: Iterable | None) -> None:
-        """Base weights ← θ̄ and BatchNorm statistics of θ̄, so ``bnn(x)`` is the SWA network."""
-        layers = self._layers(bnn)
-        for name, layer, key in post.parameter_keys(layers):
-            param = layer.base_layer.get_parameter(name.rsplit(".", 1)[1])
-            param.copy_(layer.moments.mean(key).to(param.device, param.dtype))
-        self.bn_loader = bn_loader
+    def _store_batchnorm(self, bnn: BayesianModel) -> None:
+        """Recompute the BatchNorm statistics of θ̄ and of the seed-0 members into the
+        :class:`SWAGBatchNorm` buffers (so reloaded posteriors need no data)."""
+        wrappers = self._bn_wrappers(bnn)
+        if not wrappers or self.bn_loader is None or self.config.bn_update_fraction == 0:
+            return
+        mean_stats = self._recompute(bnn, {})
+        for name, w in wrappers.items():
+            w.running_mean.copy_(mean_stats[f"{name}.running_mean"])
+            w.running_var.copy_(mean_stats[f"{name}.running_var"])
         self._bn_cache.clear()
-        if bn_loader is not None and self.config.bn_update_fraction > 0:
-            stats = recompute_batchnorm(bnn.model, {}, bn_loader,
-                                        fraction=self.config.bn_update_fraction, device=bnn.device)
-            for key, value in stats.items():
-                bnn.model.get_buffer(key).copy_(value)
+        if self.config.variant != "swa":
+            for m, stats in enumerate(self.member_batchnorm(bnn, self.config.predict_samples, 0)):
+                for name, w in wrappers.items():
+                    w.member_mean[m].copy_(stats[f"{name}.running_mean"])
+                    w.member_var[m].copy_(stats[f"{name}.running_var"])
+            bnn.state.set("swag_bn_members", 1)
+
+    def _recompute(self, bnn: BayesianModel, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Statistics of the network at ``params`` keyed ``"<bn>.running_mean"`` etc."""
+        stats = recompute_batchnorm(bnn.model, params, self.bn_loader,
+                                    fraction=self.config.bn_update_fraction, device=bnn.device,
+                                    batch_fn=self.batch_fn)
+        return {k.replace(".base_layer.", "."): v for k, v in stats.items()
+                if not k.endswith("num_batches_tracked")}
 
     # -- sampling ----------------------------------------------------------------------
     def sample(self, bnn: BayesianModel, member: int, seed: int | None = 0) -> dict[str, torch.Tensor]:
         """Sampled parameters of predictive member ``member`` (reproducible from ``seed``)."""
         cfg: SWAGConfig = self.config
         return post.sample_parameters(
-            self._layers(bnn), variant=cfg.variant, scale=self.scale,
+            self._layers(bnn), variant=cfg.variant, scale=self.scale(bnn),
             generator=post.member_generator(seed, member), device=bnn.device,
             min_variance=cfg.min_variance,
         )
 
     @torch.no_grad()
-    def select_scale(self, bnn: BayesianModel, val_loader: Iterable) -> float:
-        """Covariance scale on a log grid by validation NLL of the predictive; sets ``self.scale``.
+    def select_scale(self, bnn: BayesianModel, val_loader: Iterable, *,
+                     batch_fn: Any = None) -> dict[str, Any]:
+        """Covariance scale on a log grid by validation NLL of the predictive (shared
+        search, :func:`bayesify.core.tuning.select_on_validation`; the broadest scale
+        within the rule). Stored in ``bnn.state``."""
+        from bayesify.core.tuning import select_on_validation
 
-        Per scale s: ``nll_i(s) = −log (1/N Σ_n softmax(f(x_i; θ_n(s)))_{y_i})`` with the
-        N members of seed 0 (BatchNorm recomputed for each). Rule 'min': argmin of the mean;
-        'one_se': the largest s with ``mean(s) ≤ mean(s*) + std(nll(s*)) / sqrt(n)`` (s* the
-        argmin) — the broadest posterior the validation data cannot tell from the best.
-        """
         cfg: SWAGConfig = self.config
-        if cfg.variant == "swa":
-            return self.scale
-        low, high, count = cfg.scale_grid
-        grid = torch.logspace(math.log10(low), math.log10(high), int(count), dtype=torch.float64).tolist()
-        batches = [(b[0].to(bnn.device), b[1].to(bnn.device)) for b in val_loader]
-        if not batches:
-            raise BayesifyError("the validation loader of scale_method='val_nll' produced no batches")
-        per_scale = []
-        for scale in grid:
-            self.scale = scale
+
+        def set_scale(scale: float) -> None:
+            bnn.state.set("swag_scale", scale)
             self._bn_cache.clear()
-            nll = []
-            for x, y in batches:
-                members = self.member_logits(bnn, x, samples_per_component=self.default_samples_per_component(),
-                                             max_rows=4096, seed=0)
-                log_probs = torch.logsumexp(members.double().log_softmax(-1), 0) - math.log(members.shape[0])
-                nll.append(F.nll_loss(log_probs, y, reduction="none"))
-            per_scale.append(torch.cat(nll))
-        self._bn_cache.clear()
-        means = torch.stack([v.mean() for v in per_scale])
-        best = int(means.argmin())
-        if cfg.val_rule == "min":
-            self.scale = grid[best]
-        else:
-            se = per_scale[best].std() / math.sqrt(per_scale[best].numel())
-            self.scale = grid[int(torch.nonzero(means <= means[best] + se)[-1])]
-        return self.scale
+
+        choice = select_on_validation(bnn, val_loader, set_knob=set_scale, grid=cfg.scale_grid,
+                                      rule=cfg.val_rule, prefer="largest", batch_fn=batch_fn,
+                                      name="swag_scale")
+        self._store_batchnorm(bnn)
+        return choice
 
     def member_batchnorm(self, bnn: BayesianModel, num_members: int, seed: int | None) -> list[dict[str, torch.Tensor]]:
         """BatchNorm statistics of every sampled member (recomputed once, then cached)."""
         key = (seed, num_members)
-        if key not in self._bn_cache:
-            if self.bn_loader is None or self.config.bn_update_fraction == 0:
-                stats = [batchnorm_state(bnn.model)] * num_members
-            else:
-                stats = [recompute_batchnorm(bnn.model, self.sample(bnn, m, seed), self.bn_loader,
-                                             fraction=self.config.bn_update_fraction,
-                                             device=bnn.device)
-                         for m in range(num_members)]
-            self._bn_cache[key] = stats
-        return self._bn_cache[key]
+        wrappers = self._bn_wrappers(bnn)
+        if key in self._bn_cache:
+            return self._bn_cache[key]
+        if not wrappers or self.config.bn_update_fraction == 0:
+            stats = [{}] * num_members
+        elif (seed == 0 and num_members <= self.config.predict_samples
+              and bnn.state.value("swag_bn_members") and self.bn_loader is None):
+            stats = [{f"{n}.running_mean": w.member_mean[m] for n, w in wrappers.items()}
+                     | {f"{n}.running_var": w.member_var[m] for n, w in wrappers.items()}
+                     for m in range(num_members)]
+        elif self.bn_loader is None:
+            raise BayesifyError(
+                f"SWAG stored BatchNorm statistics for {self.config.predict_samples} members of "
+                f"seed 0; a predictor with seed={seed} and {num_members} members needs them "
+                "recomputed: set bnn.method.bn_loader = <training loader> first"
+            )
+        else:
+            stats = [self._recompute(bnn, self.sample(bnn, m, seed)) for m in range(num_members)]
+        self._bn_cache[key] = stats
+        return stats
 
     def default_samples_per_component(self) -> int:
         return 1 if self.config.variant == "swa" else self.config.predict_samples
@@ -270,12 +247,13 @@ class SWAGMethod(Method):
         deterministic: bool = False,
     ) -> torch.Tensor:
         """``[M, B, C]``: M = N sampled networks (1 for 'swa' or ``deterministic``: θ̄)."""
-        if deterministic or self.config.variant == "swa" or post.snapshots(self._layers(bnn)) == 0:
-            return logits_of(bnn.model(x)).unsqueeze(0)
+        if (deterministic or self.config.variant == "swa"
+                or not bnn.state.value("swag_fitted")):
+            return logits_of(call_model(bnn.model, x)).unsqueeze(0)
         num = samples_per_component
         bn_stats = self.member_batchnorm(bnn, num, seed)
         per_param = max(1, 2**27 // max(1, sum(layer.num_nodes() for layer in self._layers(bnn).values())))
-        per_chunk = max(1, min(max_rows // max(x.shape[0], 1), per_param))
+        per_chunk = max(1, min(max_rows // max(batch_rows(x), 1), per_param))
         outs = []
         for start in range(0, num, per_chunk):
             ids = range(start, min(start + per_chunk, num))
@@ -283,17 +261,18 @@ class SWAGMethod(Method):
             outs.append(self._evaluate(bnn.model, states, x))
         return torch.cat(outs, dim=0)
 
-    def _evaluate(self, model: nn.Module, states: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    def _evaluate(self, model: nn.Module, states: list[dict[str, torch.Tensor]], x: Any) -> torch.Tensor:
         """``[m, B, C]`` logits of m networks given as functional_call state dicts."""
+        args, kwargs = (x.args, x.kwargs) if isinstance(x, Batch) else ((x,), {})
         if self._vmap_ok and len(states) > 1:
             stacked = {k: torch.stack([s[k] for s in states]) for k in states[0]}
             try:
-                return vmap(lambda s: logits_of(functional_call(model, s, (x,))))(stacked)
+                return vmap(lambda s: logits_of(functional_call(model, s, args, kwargs)))(stacked)
             except Exception as err:  # noqa: BLE001 - arbitrary user models may not vmap
                 warnings.warn(f"SWAG: vmap over sampled networks failed ({err}); "
                               "evaluating them one by one", stacklevel=3)
                 self._vmap_ok = False
-        return torch.stack([logits_of(functional_call(model, s, (x,))) for s in states])
+        return torch.stack([logits_of(functional_call(model, s, args, kwargs)) for s in states])
 
     def export_module(self, bnn: BayesianModel, *, samples_per_component: int, seed: int,
                       example_input: torch.Tensor) -> nn.Module:
@@ -303,28 +282,14 @@ class SWAGMethod(Method):
                            example_input=example_input,
                            deterministic=bnn.context.force_deterministic)
 
-    # -- persistence -----------------------------------------------------------------------
-    def posterior_state(self, bnn: BayesianModel) -> dict[str, torch.Tensor]:
-        """SWAG moments keyed ``"<module>.<param>_mean"`` etc. (base-model module names),
-        plus ``"swag.scale"``: the covariance scale in use (fit may have chosen it)."""
-        state = {f"{lname}.{key}": value for lname, layer in self._layers(bnn).items()
-                 for key, value in layer.moments.state_dict().items()}
-        state["swag.scale"] = torch.tensor([self.scale], dtype=torch.float64)
-        return state
-
-    def load_posterior_state(self, bnn: BayesianModel, state: dict[str, torch.Tensor]) -> None:
-        for lname, layer in self._layers(bnn).items():
-            prefix = f"{lname}."
-            layer.moments.load_state_dict({k[len(prefix):]: v for k, v in state.items()
-                                           if k.startswith(prefix)})
-        if "swag.scale" in state:
-            self.scale = float(state["swag.scale"][0])
-        self._bn_cache.clear()
-
     # -- helpers -------------------------------------------------------------------------
     @staticmethod
     def _layers(bnn: BayesianModel) -> dict[str, SWAGLayer]:
         return {n: m for n, m in bnn.bayesian_layers().items() if isinstance(m, SWAGLayer)}
+
+    @staticmethod
+    def _bn_wrappers(bnn: BayesianModel) -> dict[str, SWAGBatchNorm]:
+        return {n: m for n, m in bnn.bayesian_layers().items() if isinstance(m, SWAGBatchNorm)}
 
     @classmethod
     def demo_recipe(cls) -> dict[str, Any]:
@@ -342,14 +307,3 @@ class SWAGMethod(Method):
 def _first(layers: dict[str, SWAGLayer]) -> SWAGLayer:
     return next(iter(layers.values()))
 
-
-def _batches(loader: Iterable, device: torch.device):
-    for batch in loader:
-        yield batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
-
-
-def _num_batches(loader: Iterable) -> int:
-    try:
-        return len(loader)  # type: ignore[arg-type]
-    except TypeError:
-        return 0

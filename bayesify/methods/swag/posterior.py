@@ -37,7 +37,8 @@ def parameter_keys(layers: dict[str, SWAGLayer]) -> list[tuple[str, SWAGLayer, s
     out = []
     for lname, layer in layers.items():
         for pname in layer.param_names:
-            out.append((f"{lname}.base_layer.{pname}", layer, pname.replace(".", "__")))
+            key = pname.replace(".", "__")
+            out.append((f"{lname}.theta.{key}", layer, key))
     return out
 
 

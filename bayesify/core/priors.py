@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bayesify.core.config import MethodConfig, option, require
+
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 PRIORS = ("gaussian", "pretrained", "scale_mixture")
 
@@ -92,3 +94,25 @@ class WeightPrior:
             scale = torch.where(wide, self.std1, self.std2).to(pretrained.dtype)
             return eps * scale
         return self.centre(pretrained) + self.std * eps
+
+
+@dataclass(frozen=True)
+class WeightPriorConfig(MethodConfig):
+    """Prior fields shared by the weight-space families (meanfield, hypernet)."""
+
+    prior: str = option(
+        "gaussian",
+        "Weight prior: 'gaussian' N(0, σ²), 'pretrained' N(w₀, σ²) centred on the pretrained "
+        "weights, or 'scale_mixture' π N(0, σ₁²) + (1−π) N(0, σ₂²) per weight.",
+    )
+    prior_std: float = option(1.0, "σ of the 'gaussian' and 'pretrained' priors.")
+    mixture_pi: float = option(0.5, "π of the scale-mixture prior.")
+    mixture_std1: float = option(1.0, "σ₁ (wide component) of the scale-mixture prior.")
+    mixture_std2: float = option(math.exp(-6), "σ₂ (narrow component) of the scale-mixture prior.")
+
+    def validate(self) -> None:
+        require(self.prior in PRIORS, f"prior must be one of {PRIORS}, got {self.prior!r}")
+        require(self.prior_std > 0, f"prior_std must be > 0, got {self.prior_std}")
+        require(0.0 <= self.mixture_pi <= 1.0, f"mixture_pi must be in [0, 1], got {self.mixture_pi}")
+        require(self.mixture_std1 > 0 and self.mixture_std2 > 0,
+                f"mixture stds must be > 0, got {self.mixture_std1}, {self.mixture_std2}")

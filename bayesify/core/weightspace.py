@@ -149,11 +149,11 @@ def member_training_forward(bnn, x: torch.Tensor, y: torch.Tensor, reps: int):
     Rows ``s·B … (s+1)·B−1`` form member ``s``: S weight samples per step in one
     forward, and the mean NLL averages every sample's likelihood.
     """
-    from bayesify.core.method import logits_of, tile
+    from bayesify.core.method import batch_device, batch_rows, call_model, logits_of, tile
 
-    batch = x.shape[0]
-    member = torch.arange(reps, device=x.device).repeat_interleave(batch)
+    batch = batch_rows(x)
+    member = torch.arange(reps, device=batch_device(x)).repeat_interleave(batch)
     comp = torch.zeros_like(member)
     with bnn.context.use(comp, member=member, num_members=reps):
-        logits = logits_of(bnn.model(tile(x, reps)))
+        logits = logits_of(call_model(bnn.model, tile(x, reps)))
     return logits, tile(y, reps)

@@ -8,15 +8,13 @@ cheap approximation) or one BN per member (``per_member_bn=True``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
-from bayesify.core.member_bn import install_member_batchnorm
+from bayesify.core.context import SamplingContext
+from bayesify.core.layers import BayesianLayer
+from bayesify.core.member_bn import member_batchnorm_wrappers
 from bayesify.core.method import Method
-
-if TYPE_CHECKING:
-    from bayesify.core.model import BayesianModel
 
 
 class TiledMethod(Method):
@@ -26,7 +24,9 @@ class TiledMethod(Method):
         """``[K·B]`` component of every row: ``row // B`` (the batch tiled K times)."""
         return torch.arange(self.components * batch_size, device=device) // batch_size
 
-    def prepare(self, bnn: BayesianModel) -> None:
+    def extra_wrappers(self, model: nn.Module, context: SamplingContext,
+                       targets: list[str]) -> dict[str, BayesianLayer]:
         """Per-member BatchNorm (initialised from the pretrained BN) when configured."""
         if getattr(self.config, "per_member_bn", False):
-            install_member_batchnorm(bnn, self.components)
+            return dict(member_batchnorm_wrappers(model, context, self.components, targets))
+        return {}

@@ -1,0 +1,73 @@
+"""The training loss as a public function, for users who keep their own loop
+(Lightning, ``accelerate``, the Hugging Face ``Trainer``).
+
+``elbo_loss(bnn, batch, n_train=N)`` is exactly what one micro-batch of
+``bayesify.fit`` computes: the family's batch layout (the batch tiled over
+components / samples), the mean NLL over the tiled rows, and the family's KL
+weighted per training example::
+
+    loss = mean NLL + β · w · KL(q‖p) / N_train
+
+(``w`` the family's minibatch KL weighting, 1 unless given; KL = 0 for families
+without a variational term). Optimise ``bnn.method.param_groups(bnn, lr=..., weight_decay=0)``
+(or simply ``bnn.posterior_parameters()``) and leave the base frozen, as ``fit`` does.
+Hugging Face ``Trainer``::
+
+    class BayesTrainer(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            terms = bayesify.elbo_loss(model, inputs, n_train=len(self.train_dataset))
+            return (terms.loss, terms) if return_outputs else terms.loss
+
+``batch`` follows :mod:`bayesify.core.batch` (``(x, y)``, mappings with ``labels``,
+``batch_fn=``). The model should be in ``train()`` mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from bayesify.core.batch import BatchFn, split_batch
+from bayesify.errors import BayesifyError
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """``loss`` (differentiable), its ``nll`` and ``kl`` parts (KL summed, not divided)."""
+
+    loss: torch.Tensor
+    nll: torch.Tensor
+    kl: torch.Tensor
+
+
+def nll_and_kl(bnn: BayesianModel, inputs: Any, labels: torch.Tensor,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean NLL over the family's tiled batch and the summed KL (fp32; ``fit``'s core)."""
+    with bnn.context.use(None, generator=generator):
+        logits, targets = bnn.training_forward(inputs, labels)
+    nll = F.cross_entropy(logits.float(), targets)
+    if bnn.method.training == "elbo":
+        with torch.autocast(device_type=labels.device.type, enabled=False):
+            kl = bnn.kl().float()  # KL stays in fp32 under AMP
+    else:
+        kl = torch.zeros((), device=nll.device)
+    return nll, kl
+
+
+def elbo_loss(bnn: BayesianModel, batch: Any, *, n_train: int, beta: float = 1.0,
+              kl_weight: float = 1.0, batch_fn: BatchFn | None = None,
+              generator: torch.Generator | None = None) -> LossTerms:
+    """The loss ``fit`` minimises, for one batch of a custom training loop."""
+    if isinstance(n_train, bool) or not isinstance(n_train, int) or n_train <= 0:
+        raise BayesifyError(f"n_train must be the positive number of training examples, "
+                            f"got {n_train!r}")
+    parts = split_batch(batch, batch_fn).to(bnn.device)
+    labels = parts.require_labels("elbo_loss")
+    nll, kl = nll_and_kl(bnn, parts.model_input(), labels, generator)
+    return LossTerms(loss=nll + beta * kl_weight * kl / n_train, nll=nll, kl=kl)
