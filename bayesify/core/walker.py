@@ -241,13 +241,3 @@ def replace_modules(model: nn.Module, replacements: dict[str, nn.Module]) -> Non
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, new)
 
-
-def unwrap_modules(model: nn.Module) -> nn.Module:
-    """Replace every :class:`BayesianLayer` of ``model`` (in place, under every name it is
-    registered under) by its ``base_layer``; returns ``model``."""
-    for name, module in list(model.named_modules(remove_duplicate=False)):
-        if name and isinstance(module, BayesianLayer):
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, module.base_layer)
-    return model
