@@ -431,9 +431,10 @@ def run_exported(path: str | Path, *inputs: Any, **named: Any) -> tuple[torch.Te
         batch = Batch(tuple(inputs), dict(named), None)
     else:
         raise BayesifyError("run_exported needs the inputs the program was exported with")
-    batch = Batch(batch.args, {k: v for k, v in batch.kwargs.items() if isinstance(v, torch.Tensor)})
+    batch = Batch(tuple(a.detach() for a in batch.args),
+                  {k: v.detach() for k, v in batch.kwargs.items() if isinstance(v, torch.Tensor)})
     layout = InputLayout.of(batch)
-    tensors = [t.detach() for t in layout.tensors(batch)]
+    tensors = layout.tensors(batch)
     if path.suffix == ".onnx":
         try:
             import onnxruntime
@@ -451,9 +452,7 @@ def run_exported(path: str | Path, *inputs: Any, **named: Any) -> tuple[torch.Te
         probs, epistemic = session.run(None, {n: _numpy_input(given[n]) for n in wanted})
         return torch.from_numpy(probs), torch.from_numpy(epistemic)
     module = torch.export.load(str(path)).module()
-    args, kwargs = layout.call_inputs(Batch(tuple(tensors[:layout.num_args]),
-                                            dict(zip(layout.names[layout.num_args:],
-                                                     tensors[layout.num_args:]))))
+    args, kwargs = layout.call_inputs(batch)
     with torch.no_grad():
         probs, epistemic = module(*args, **kwargs)
     return probs, epistemic
