@@ -36,6 +36,7 @@ from bayesify.cli_inputs import (
     show_progress,
     write_json,
 )
+from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
 from bayesify.predict.predictor import BasePredictor
 
@@ -168,7 +169,6 @@ def _add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_evaluate(args: argparse.Namespace) -> int:
     from bayesify import metrics
-    from bayesify.core.prediction import Prediction
 
     out = Path(args.out or (Path(args.posterior) / "evaluate" if args.posterior
                             else "bayesify-eval"))
@@ -177,15 +177,16 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     predictor = load_predictor(args, model)
     loaders = bundle.loaders(batch_size=args.batch_size, seed=args.seed, workers=args.workers)
     split = args.split if args.split in loaders else "val"
-    # one pass over the data: metrics and figures both read the collected member logits
-    logits, labels = predictor.collect(progress_bar(loaders[split], f"evaluate {split}", args))
-    ood_logits = (predictor.collect(progress_bar(loaders["ood"], "evaluate OOD", args))[0]
-                  if "ood" in loaders else None)
-    replay = _Replay(logits if ood_logits is None else torch.cat([logits, ood_logits], dim=1),
-                     predictor.temperature)
-    n = logits.shape[1]
+    # one pass over the data: metrics and figures both read the collected predictions
+    raw, labels = predictor.collect_predictions(
+        progress_bar(loaders[split], f"evaluate {split}", args))
+    ood = (predictor.collect_predictions(progress_bar(loaders["ood"], "evaluate OOD", args))[0]
+           if "ood" in loaders else None)
+    replay = _Replay(raw if ood is None else Prediction.cat([raw, ood]), predictor.temperature)
+    n = raw.mean.shape[0] if raw.is_gaussian else raw.member_logits.shape[1]
+    n_ood = 0 if ood is None else (ood.mean.shape[0] if ood.is_gaussian else ood.member_logits.shape[1])
     result = replay.evaluate(replay.loader(0, n, labels),
-                             None if ood_logits is None else replay.loader(n, ood_logits.shape[1]))
+                             None if ood is None else replay.loader(n, n_ood))
     result.update({"split": args.split, "temperature": predictor.temperature,
                    "method": getattr(getattr(predictor, "bnn", None), "method_name", "map"),
                    "model": spec["model"], "data": spec["data"]})
@@ -194,13 +195,13 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         if is_main():
             write_json(stage / "metrics.json", result)
         if is_main() and not args.no_plots:
-            pred = Prediction(logits / predictor.temperature)
+            pred = raw.scaled(predictor.temperature)
             conf, guess = pred.probs.max(-1)
             metrics.save_reliability_diagram(
                 {result["method"]: (conf, (guess == labels).float())}, stage / "reliability.png")
             groups = {f"{args.split} (in distribution)": pred.entropy}
-            if ood_logits is not None:
-                groups["OOD"] = Prediction(ood_logits / predictor.temperature).entropy
+            if ood is not None:
+                groups["OOD"] = ood.scaled(predictor.temperature).entropy
             metrics.save_entropy_histogram({result["method"]: groups},
                                            stage / "entropy_hist.png", bundle.num_classes)
     if is_main():
@@ -210,20 +211,19 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 
 
 class _Replay(BasePredictor):
-    """Member logits ``[M, N, C]`` computed once; a "batch" is an index tensor into N.
-
-    Lets ``evaluate`` and the figures share one pass of the network over the data.
+    """Raw predictions (members or moments) computed once; a "batch" is an index tensor
+    into N. Lets ``evaluate`` and the figures share one pass of the network over the data.
     """
 
-    def __init__(self, logits: torch.Tensor, temperature: float) -> None:
-        self.logits, self.temperature = logits, float(temperature)
+    def __init__(self, prediction: Prediction, temperature: float) -> None:
+        self.prediction, self.temperature = prediction, float(temperature)
 
     @property
     def device(self) -> torch.device:
-        return self.logits.device
+        return torch.device("cpu")
 
-    def member_logits(self, index: torch.Tensor) -> torch.Tensor:
-        return self.logits[:, index]
+    def predict(self, index: torch.Tensor) -> Prediction:
+        return self.prediction.rows(index)
 
     def loader(self, start: int, count: int, labels: torch.Tensor | None = None,
                chunk: int = 4096) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

@@ -16,9 +16,12 @@ json and safetensors are read: nothing is ever unpickled.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,8 +43,10 @@ MANIFEST_FILE = "bayesify.json"
 
 def tensor_digest(name: str, tensor: torch.Tensor) -> str:
     """sha256 over ``(name, dtype, shape, bytes)`` of one tensor."""
-    tensor = tensor.detach().cpu().contiguous()
     digest = hashlib.sha256(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+    if tensor.is_meta:  # a dry run on the meta device: no bytes to hash
+        return digest.hexdigest()
+    tensor = tensor.detach().cpu().contiguous()
     digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
@@ -133,22 +138,97 @@ def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
     return directory
 
 
+#: a manifest is a few KiB; anything far larger is not one of ours
+MAX_MANIFEST_BYTES = 16 << 20
+#: nesting depth allowed anywhere in the manifest (configs are flat)
+MAX_MANIFEST_DEPTH = 32
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+#: key → (JSON type(s), what it must be), checked before anything reads them
+_MANIFEST_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "format": (str, "a string"),
+    "format_version": (int, "a positive integer"),
+    "method": (str, "a method name"),
+    "config": (dict, "an object of config options"),
+    "targets": (list, "a list of module names"),
+    "parameters": (list, "a list of tensor names"),
+    "state": (list, "a list of tensor names"),
+    "base_tensors": (list, "a list of tensor names"),
+    "base_fingerprint": (str, "a sha256 hex digest"),
+    "posterior_sha256": (str, "a sha256 hex digest"),
+    "checksum": (str, "a sha256 hex digest"),
+}
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a JSON value, iteratively (no recursion on hostile input)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if isinstance(item, dict):
+            stack.extend((v, level + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, level + 1) for v in item)
+    return deepest
+
+
+def _check_manifest_structure(manifest: dict[str, Any], path: Path) -> None:
+    for key, (kind, what) in _MANIFEST_KEYS.items():
+        if key not in manifest:
+            raise BayesifyError(f"{path} lacks the key {key!r}; the manifest is damaged or was "
+                                "edited: re-save the posterior with bnn.save_posterior(dir)")
+        value = manifest[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise BayesifyError(f"{path}: {key!r} must be {what}, got {type(value).__name__} "
+                                f"{str(value)[:80]!r}")
+    for key in ("targets", "parameters", "state", "base_tensors"):
+        names = manifest[key]
+        if not all(isinstance(n, str) and n for n in names):
+            raise BayesifyError(f"{path}: every entry of {key!r} must be a non-empty string")
+        if len(set(names)) != len(names):
+            raise BayesifyError(f"{path}: {key!r} lists a name twice")
+    both = set(manifest["parameters"]) & set(manifest["state"])
+    if both:
+        raise BayesifyError(f"{path}: {sorted(both)[:5]} are listed as parameters and as state")
+    for key in ("base_fingerprint", "posterior_sha256", "checksum"):
+        if not _SHA256.fullmatch(manifest[key]):
+            raise BayesifyError(f"{path}: {key!r} must be a sha256 hex digest, got "
+                                f"{manifest[key][:80]!r}")
+    if not all(isinstance(k, str) for k in manifest["config"]):
+        raise BayesifyError(f"{path}: 'config' keys must be option names")
+
+
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
-    """The checked ``bayesify.json`` of a saved posterior (format, version, checksum)."""
+    """The checked ``bayesify.json`` of a saved posterior.
+
+    Checked, in order, before any value is used: size, valid JSON, nesting depth,
+    format, ``format_version`` (an integer, not ``true``), every required key with
+    its JSON type, then the checksum. Every failure is a :class:`BayesifyError`.
+    """
     path = Path(directory) / MANIFEST_FILE
     if not path.is_file():
         raise BayesifyError(f"no {MANIFEST_FILE} in {directory}: not a saved posterior "
                             "(write one with bnn.save_posterior(dir))")
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise BayesifyError(f"{path} is {size} bytes, far more than a posterior manifest "
+                            f"(limit {MAX_MANIFEST_BYTES}); it is not one")
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise BayesifyError(f"{path} is not valid JSON ({err}); the file is damaged") from err
+    except RecursionError as err:
+        raise BayesifyError(f"{path} is nested too deeply to be a posterior manifest") from err
+    if _depth(manifest) > MAX_MANIFEST_DEPTH:
+        raise BayesifyError(f"{path} is nested deeper than {MAX_MANIFEST_DEPTH} levels; a "
+                            "posterior manifest is flat")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise BayesifyError(f"{path} is not a bayesify posterior manifest "
                             f"(format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
     version = manifest.get("format_version")
-    if not isinstance(version, int) or version < 1:
-        raise BayesifyError(f"{path} has an invalid format_version {version!r}")
+    if type(version) is not int or version < 1:
+        raise BayesifyError(f"{path} has an invalid format_version {version!r} (a positive "
+                            f"integer, {FORMAT_VERSION} for this bayesify)")
     if version < FORMAT_VERSION:
         raise BayesifyError(
             f"{path} has format version {version}, written by bayesify "
@@ -161,18 +241,103 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
             f"({FORMAT_VERSION}; it was written by bayesify "
             f"{manifest.get('bayesify_version')}); upgrade bayesify to load it"
         )
+    _check_manifest_structure(manifest, path)
     if manifest.get("checksum") != _manifest_checksum(manifest):
         raise BayesifyError(f"{path} was modified after it was written (checksum mismatch); "
                             "re-save the posterior instead of editing the manifest")
     return manifest
 
 
+def read_tensor_header(tensor_path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{name: (dtype, shape)}`` from the safetensors header, without reading tensor data."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(tensor_path), framework="pt") as fh:
+            header = {}
+            names = fh.keys()
+            for name in names:
+                piece = fh.get_slice(name)
+                header[name] = (str(piece.get_dtype()), tuple(int(d) for d in piece.get_shape()))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise BayesifyError(f"cannot read the header of {tensor_path}: {err}") from err
+    return header
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers live on the meta device."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                            if isinstance(tensor, nn.Parameter) else empty)
+    return copy.deepcopy(model, memo)
+
+
+def _dry_run_shapes(base_model: nn.Module, method: str,
+                    config: Any) -> dict[str, tuple[torch.dtype, tuple[int, ...]]] | None:
+    """Posterior parameter ``(dtype, shape)`` that ``bayesify`` would create, on the meta
+    device (nothing allocated); ``None`` when a family cannot be built on meta."""
+    from bayesify.core.factory import bayesify
+
+    for default_meta in (True, False):
+        try:
+            with torch.device("meta") if default_meta else contextlib.nullcontext():
+                dry = bayesify(_meta_copy(base_model), method, config=config, inplace=True)
+        except BayesifyError:
+            raise
+        except Exception:  # noqa: BLE001, S112 - a data-dependent op on meta: try the next way
+            continue
+        return {n: (p.dtype, tuple(p.shape)) for n, p in dry.named_posterior_parameters()}
+    return None
+
+
+def check_against_header(manifest: dict[str, Any], header: dict[str, tuple[str, tuple[int, ...]]],
+                         expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None,
+                         tensor_path: Path) -> None:
+    """Names in the manifest, the file header and (when known) the rebuilt model agree."""
+    listed = (set(manifest["parameters"]) | set(manifest["state"])
+              | set(manifest.get("base_tensors") or []))
+    if set(header) != listed:
+        missing, extra = sorted(listed - set(header)), sorted(set(header) - listed)
+        raise BayesifyError(f"{tensor_path} does not hold the tensors the manifest lists "
+                            f"(missing {missing[:5]}, unexpected {extra[:5]})")
+    if expected is None:
+        return
+    if set(expected) != set(manifest["parameters"]):
+        missing = sorted(set(expected) - set(manifest["parameters"]))
+        extra = sorted(set(manifest["parameters"]) - set(expected))
+        raise BayesifyError(
+            f"the manifest's method {manifest['method']!r} with its config would create "
+            f"posterior tensors {missing[:5]} that the file lacks, and the file has "
+            f"{extra[:5]} that it would not create; the manifest does not describe this file"
+        )
+    for name, (dtype, shape) in expected.items():
+        saved_dtype, saved_shape = header[name]
+        if saved_shape != shape or saved_dtype != _SAFETENSORS_DTYPES.get(dtype, str(dtype)):
+            raise BayesifyError(
+                f"posterior tensor {name!r} is {saved_dtype}{list(saved_shape)} in {tensor_path}, "
+                f"but the model built from the manifest's config ({manifest['method']!r}) expects "
+                f"{_SAFETENSORS_DTYPES.get(dtype, dtype)}{list(shape)}: refused before "
+                "allocating anything (the manifest or the file was altered)"
+            )
+
+
 def load_posterior(base_model: nn.Module, directory: str | os.PathLike) -> BayesianModel:
     """Rebuild the saved posterior around ``base_model`` (copied) and load it strictly.
 
-    Raises :class:`BayesifyError` when the base weights differ from those the
-    posterior was fitted on, when the tensor file was altered, or when tensors
-    are missing, extra or of the wrong shape / dtype.
+    Raises :class:`BayesifyError` when the manifest is malformed, the base weights
+    differ from those the posterior was fitted on, the tensor file was altered,
+    or tensors are missing, extra or of the wrong shape / dtype. Shapes implied
+    by the manifest's config are compared with the tensor file's header on a
+    meta-device dry run *before* anything is allocated.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -197,7 +362,12 @@ def load_posterior(base_model: nn.Module, directory: str | os.PathLike) -> Bayes
             "weights (and save the base model too if its weights were fine-tuned)"
         )
     method = manifest["method"]
-    config = get_method_class(method).config_cls.from_kwargs(method, dict(manifest["config"]))
+    try:
+        config = get_method_class(method).config_cls.from_kwargs(method, dict(manifest["config"]))
+    except (BayesifyError, TypeError) as err:
+        raise BayesifyError(f"{directory / MANIFEST_FILE}: its config is not valid ({err})") from err
+    header = read_tensor_header(tensor_path)
+    check_against_header(manifest, header, _dry_run_shapes(base_model, method, config), tensor_path)
     bnn = bayesify(base_model, method, config=config)
     if list(bnn.targets) != list(manifest["targets"]):
         raise BayesifyError(f"re-bayesifying wrapped {bnn.targets[:5]}… but the posterior was "

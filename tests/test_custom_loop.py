@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import BayesifyError, bayesify, elbo_loss, fit
 from tests.test_registry_state import loader, model

@@ -243,3 +243,26 @@ def test_posthoc_two_ranks_equal_one_process(ddp_out):
                     continue
                 assert torch.allclose(dist[key].double(), single[key].double(),
                                       atol=1e-5, rtol=1e-5), (family, rank, key)
+
+
+def test_fit_never_changes_frozen_base_buffers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 8)), nn.BatchNorm1d(8), nn.ReLU(),
+                          nn.Dropout(0.1), nn.Linear(8, 3)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    bnn = bayesify(model, "ibnn")
+    fit(bnn, DataLoader(TensorDataset(x, y), batch_size=8), epochs=2, progress=False)
+    after = bnn.unwrap().state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+def test_every_family_implements_the_protocols():
+    from bayesify.core import protocols
+
+    for name in bf.list_methods():
+        family = bf.get_method_class(name)
+        for proto in (protocols.Structure, protocols.BatchLayout, protocols.Variational,
+                      protocols.PostHoc):
+            assert isinstance(family.__new__(family), proto), (name, proto.__name__)

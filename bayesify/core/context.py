@@ -68,11 +68,15 @@ class SamplingContext:
         self.force_deterministic = False
         self._layer_count = 0
         #: counts top-level forward passes (every ``use`` block and every
-        #: ``BayesianModel.forward``): layers cache per-pass draws keyed by it
+        #: ``BayesianModel.forward``) when a family caches per-pass draws keyed by it
+        #: (``track_passes``, hypernet's shared noise); off otherwise, so compiled
+        #: steps see no changing Python state
         self.pass_id = 0
+        self.track_passes = False
 
     def new_pass(self) -> None:
-        self.pass_id += 1
+        if self.track_passes:
+            self.pass_id += 1
 
     def next_layer_id(self) -> int:
         """A distinct id per injected layer (seeds its per-member noise stream)."""

@@ -17,7 +17,6 @@ from bayesify.core.method import Method, logits_of
 if TYPE_CHECKING:
     from bayesify.predict.predictor import EnsemblePredictor
 
-_BN_TYPES = (nn.modules.batchnorm._BatchNorm,)
 
 
 class PosteriorState(nn.Module):
@@ -169,9 +168,11 @@ class BayesianModel(nn.Module):
     def train(self, mode: bool = True) -> BayesianModel:
         super().train(mode)
         if mode and not self.bn_train:
-            # frozen pretrained statistics: BatchNorm stays in eval while fine-tuning
+            # frozen pretrained state: every base module that owns buffers (BatchNorm
+            # statistics, spectral_norm's u/v, ...) stays in eval while fine-tuning, so
+            # fit never changes them; set bnn.bn_train = True to train them
             for m in self.model.modules():
-                if isinstance(m, _BN_TYPES):
+                if not isinstance(m, BayesianLayer) and next(m.buffers(recurse=False), None) is not None:
                     m.eval()
         return self
 

@@ -14,6 +14,13 @@ from bayesify import metrics
 GAUSSIAN_SAMPLES = 64
 
 
+def gaussian_noise(num_classes: int) -> torch.Tensor:
+    """``[S, 1, C]`` standard normal draws (seed 0) shared by every row and batch, so the
+    decomposition of a Gaussian predictive is batch-independent and exportable."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    return torch.randn((GAUSSIAN_SAMPLES, 1, num_classes), generator=generator)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """Predictive distribution for a batch of B inputs: members or moments.
@@ -73,9 +80,7 @@ class Prediction:
         """``[M, B, C]``: the members, or fixed-seed samples of the Gaussian."""
         if not self.is_gaussian:
             return self.member_logits_
-        generator = torch.Generator(device="cpu").manual_seed(0)
-        z = torch.randn((GAUSSIAN_SAMPLES, *self.mean.shape), generator=generator,
-                        dtype=torch.float32).to(self.mean.device)
+        z = gaussian_noise(self.mean.shape[-1]).to(self.mean.device)  # [S, 1, C]
         return self.mean.float() + self.variance.float().clamp_min(0).sqrt() * z
 
     @cached_property
@@ -145,6 +150,15 @@ class Prediction:
             return None if values[0] is None else torch.cat(values)
         return Prediction(mean=cat("mean"), variance=cat("variance"), link=first.link,
                           rowsum=cat("rowsum"), total=cat("total"))
+
+    def rows(self, index: torch.Tensor | slice) -> Prediction:
+        """The predictions of the examples ``index`` (along B)."""
+        if not self.is_gaussian:
+            return Prediction(self.member_logits_[:, index])
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+        return Prediction(mean=pick(self.mean), variance=pick(self.variance), link=self.link,
+                          rowsum=pick(self.rowsum), total=pick(self.total))
 
     def to(self, device: torch.device | str) -> Prediction:
         if not self.is_gaussian:

@@ -14,19 +14,15 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import metrics
+from bayesify.core.batch import iter_batches
 from bayesify.evaluation.corruptions import corrupted_loader
 from bayesify.predict.predictor import BasePredictor
 
 STAT_KEYS = ("probs", "log_probs", "entropy", "aleatoric", "epistemic", "nll", "labels")
 
 
-def _split(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(batch, (tuple, list)):
-        return batch[0], batch[1] if len(batch) > 1 else None
-    return batch, None
-
-
-def predictive_statistics(predictor: BasePredictor, loader: Iterable) -> dict[str, torch.Tensor]:
+def predictive_statistics(predictor: BasePredictor, loader: Iterable,
+                          batch_fn: Any = None) -> dict[str, torch.Tensor]:
     """Per-example statistics over a loader, on CPU.
 
     Returns ``probs``/``log_probs [N, C]`` (mixture mean), ``entropy``, ``aleatoric``
@@ -34,10 +30,10 @@ def predictive_statistics(predictor: BasePredictor, loader: Iterable) -> dict[st
     ``≥ 0``, ``labels [N]`` and ``nll [N]`` = −log p̄(y|x).
     """
     keep: dict[str, list[torch.Tensor]] = {k: [] for k in STAT_KEYS}
-    device = predictor.device
-    for batch in loader:
-        x, y = _split(batch)
-        pred = predictor(x.to(device))
+    for batch in iter_batches(loader, device=predictor.device,
+                              batch_fn=batch_fn or getattr(predictor, "batch_fn", None)):
+        y = batch.labels
+        pred = predictor(batch.inputs_only())
         keep["probs"].append(pred.probs.cpu())
         keep["log_probs"].append(pred.log_probs.cpu())
         keep["entropy"].append(pred.entropy.cpu())

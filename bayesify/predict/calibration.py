@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify import metrics
+from bayesify.core.checks import check_finite_logits, check_labels
 from bayesify.errors import BayesifyError
 
 if TYPE_CHECKING:
@@ -55,6 +56,23 @@ class CalibrationResult:
         return asdict(self)
 
 
+def _collect(predictor: BasePredictor, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``predictor.collect`` with an empty loader turned into a clear error."""
+    try:
+        if len(loader) == 0:  # type: ignore[arg-type]
+            raise BayesifyError("calibrate: the validation loader is empty (len 0); pass a "
+                                "loader with at least one labelled batch")
+    except TypeError:  # an unsized iterable: found out below
+        pass
+    try:
+        return predictor.collect(loader)
+    except (RuntimeError, ValueError) as err:  # torch.cat([]) on an empty loader
+        if "non-empty" in str(err):
+            raise BayesifyError("calibrate: the validation loader produced no batches; pass a "
+                                "loader with at least one labelled batch") from err
+        raise
+
+
 def mixture_nll(member_logits: torch.Tensor, labels: torch.Tensor, log_t: torch.Tensor) -> torch.Tensor:
     """Mean NLL of the mixture at temperature ``exp(log_t)``; ``[M, N, C]``, ``[N]`` → scalar.
 
@@ -70,9 +88,18 @@ def mixture_nll(member_logits: torch.Tensor, labels: torch.Tensor, log_t: torch.
 
 def fit_temperature(member_logits: torch.Tensor, labels: torch.Tensor, *,
                     max_iter: int = 100) -> float:
-    """argmin_T of :func:`mixture_nll` (LBFGS on log T from the best grid point)."""
+    """argmin_T of :func:`mixture_nll` (LBFGS on log T from the best grid point).
+
+    ``member_logits [M, N, C]`` must be finite and ``labels [N]`` class indices
+    in ``[0, C)`` with ``N > 0`` (:class:`BayesifyError` otherwise).
+    """
+    if member_logits.dim() != 3 or member_logits.shape[1] == 0:
+        raise BayesifyError(f"fit_temperature needs member logits [M, N, C] with N > 0, got "
+                            f"shape {tuple(member_logits.shape)}")
+    check_finite_logits(member_logits, where="fit_temperature")
+    labels = check_labels(labels.detach(), member_logits.shape[-1], where="fit_temperature")
     logits = member_logits.detach().float()
-    labels = labels.detach().long().to(logits.device)
+    labels = labels.to(logits.device)
     with torch.no_grad():
         grid = torch.stack([mixture_nll(logits, labels, t) for t in _LOG_T_GRID])
     start = _LOG_T_GRID[int(torch.nan_to_num(grid, nan=math.inf).argmin())]
@@ -122,12 +149,17 @@ def calibrate(
     """
     if method not in METHODS:
         raise BayesifyError(f"unknown calibration method {method!r}; available: {METHODS}")
-    logits, labels = predictor.collect(val_loader)
-    if labels is None or labels.numel() == 0:
-        raise BayesifyError("calibration needs a validation loader that yields (x, y) batches")
-    if labels.min() < 0:
-        raise BayesifyError("calibration labels must be class indices >= 0 (got negative "
-                            "labels: is this an out-of-distribution loader?)")
+    logits, labels = _collect(predictor, val_loader)
+    if labels is None:
+        raise BayesifyError("calibrate: the validation loader yields no labels; it must yield "
+                            "(x, y) batches (or mappings with 'labels')")
+    if labels.numel() == 0 or logits.shape[1] == 0:
+        raise BayesifyError("calibrate: the validation loader produced no examples; pass a "
+                            "loader with at least one labelled batch")
+    labels = check_labels(labels, logits.shape[-1], where="calibrate")
+    if labels.shape[0] != logits.shape[1]:
+        raise BayesifyError(f"calibrate: {labels.shape[0]} labels for {logits.shape[1]} examples")
+    check_finite_logits(logits, where="calibrate")
     previous = float(predictor.temperature)
     optimum = fit_temperature(logits, labels, max_iter=max_iter)
     nll_before, ece_before, conf_before, correct_before = calibration_stats(logits, labels, previous)

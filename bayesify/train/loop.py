@@ -42,6 +42,7 @@ from bayesify.train.distributed import (
     rank_seed,
     setup_distributed,
 )
+from bayesify.train.options import validate_fit_options
 from bayesify.train.schedules import parse_schedule
 from bayesify.train.steps import TrainForward, TrainState, build_optimizer, flush_group, train_step
 
@@ -135,6 +136,7 @@ def fit(
     A non-finite loss or step raises :class:`NonFiniteLossError` with the last
     finite posterior in memory.
     """
+    validate_fit_options(**locals())  # every option checked before anything changes
     from bayesify.train import resume as ckpt
 
     method = bnn.method

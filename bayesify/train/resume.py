@@ -19,17 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bayesify.errors import BayesifyError
+from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train.checkpoint import (
     FORMAT,
     VERSION,
     atomic_save,
     check_compatible,
     checkpoint_name,
+    content_checksum,
     identity,
-    load_checkpoint,
+    list_checkpoints,
+    load_resumable,
+    nonfinite_tensors,
     prune,
-    resolve_resume,
     rng_state,
     set_rng_state,
 )
@@ -60,12 +62,19 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def save(state: TrainState, run: Run) -> str:
-    """Write a checkpoint of ``state`` (collective: every rank must call it)."""
+    """Write a checkpoint of ``state`` (collective: every rank must call it).
+
+    The payload carries a content checksum (verified on load). A state holding
+    NaN/inf is never written: every rank raises :class:`NonFiniteLossError`
+    naming the tensors, and the newest checkpoint on disk stays the last finite one.
+    """
     assert run.directory is not None
     ctx = state.ctx
     noise = state.noise_generator or torch.Generator(device=ctx.device)
     rng = gather_objects(rng_state(noise, ctx.device), ctx)
     error: str | None = None
+    nonfinite: list[str] = []
+    last = "no earlier checkpoint "
     cause: BaseException | None = None
     path = run.directory / checkpoint_name(state.epoch, state.global_step)
     if ctx.is_main:
@@ -86,11 +95,24 @@ def save(state: TrainState, run: Run) -> str:
                 "optimizer": state.optimizer.state_dict() if state.optimizer is not None else {},
                 "rng": rng,
             }
-            atomic_save(payload, path)
-            prune(run.directory, run.keep)
+            nonfinite = nonfinite_tensors(payload)
+            kept = list_checkpoints(run.directory)
+            if kept:
+                last = f"the newest checkpoint there, {kept[-1].name}, "
+            if not nonfinite:
+                payload["checksum"] = content_checksum(payload)
+                atomic_save(payload, path)
+                prune(run.directory, run.keep)
         except Exception as err:  # noqa: BLE001 - reported on every rank below, never half-written
             error, cause = f"{type(err).__name__}: {err}", err
-    error = broadcast_object(error, ctx)
+    error, nonfinite, last = broadcast_object((error, nonfinite, last), ctx)
+    if nonfinite:
+        raise NonFiniteLossError(
+            f"refusing to write checkpoint {str(path)!r} (epoch {state.epoch}, optimiser step "
+            f"{state.global_step}): the training state holds NaN/inf in {nonfinite[:5]}"
+            f"{'…' if len(nonfinite) > 5 else ''}; training diverged (lower the learning rate or "
+            f"check the inputs for NaN/inf). Nothing was written: {last}holds the last finite state"
+        )
     if error is not None:
         raise BayesifyError(
             f"writing checkpoint {str(path)!r} failed ({error}); earlier checkpoints in "
@@ -100,12 +122,12 @@ def save(state: TrainState, run: Run) -> str:
 
 
 def read_for_resume(resume: str | Path, ctx: DistContext) -> dict[str, Any]:
-    """Rank 0 reads and checks the file; every rank gets the payload (or the error)."""
+    """Rank 0 reads and verifies the checkpoint (falling back past damaged ones in a
+    directory); every rank gets the payload (or the error)."""
     box: dict[str, Any]
     if ctx.is_main:
         try:
-            path = resolve_resume(resume)
-            box = load_checkpoint(path)
+            path, box = load_resumable(resume)
             box["path"] = str(path)
         except BayesifyError as err:
             box = {"error": str(err)}
@@ -140,6 +162,11 @@ def restore(state: TrainState, payload: dict[str, Any], run: Run, *, path: str) 
     """Load ``payload`` into the model, optimiser, RNG streams and ``state``."""
     meta = payload["meta"]
     check_compatible(meta, run.identity, run.options, path)
+    ctx = state.ctx
+    states = payload.get("rng") or []
+    if ctx.rank < len(states) and state.noise_generator is not None:
+        # first: a record a generator refuses is an error before the model changes
+        set_rng_state(states[ctx.rank], state.noise_generator, ctx.device, path=path)
     bnn = state.bnn
     _load_named(dict(bnn.named_posterior_parameters()), payload["posterior"], "posterior", path)
     trainable = {n: p for n, p in bnn.named_base_parameters() if p.requires_grad}
@@ -150,16 +177,12 @@ def restore(state: TrainState, payload: dict[str, Any], run: Run, *, path: str) 
             state.optimizer.load_state_dict(payload["optimizer"])
     except (ValueError, KeyError, RuntimeError) as err:
         raise BayesifyError(f"checkpoint {path!r}: optimiser state does not fit ({err})") from err
-    ctx = state.ctx
     if meta.get("world_size") != ctx.world_size:
         warnings.warn(
             f"resuming a {meta.get('world_size')}-process checkpoint with {ctx.world_size} "
             "processes: the data order is kept (same global batch) but noise streams of "
             "ranks without a saved state are freshly seeded", stacklevel=3,
         )
-    states = payload.get("rng") or []
-    if ctx.rank < len(states) and state.noise_generator is not None:
-        set_rng_state(states[ctx.rank], state.noise_generator, ctx.device)
     state.epoch = int(meta["epoch"])
     state.step = int(meta["step"])
     state.global_step = int(meta["global_step"])

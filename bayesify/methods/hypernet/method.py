@@ -40,6 +40,9 @@ class HypernetMethod(Method):
     def wrap(self, name: str, module: nn.Module, context: SamplingContext) -> BayesianLayer:
         return HypernetLayer(module, context=context, config=self.config, noise=self.noise)
 
+    def prepare(self, bnn: BayesianModel) -> None:
+        bnn.context.track_passes = self.noise.shared  # one shared z per forward pass
+
     def training_forward(
         self, bnn: BayesianModel, x: torch.Tensor, y: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,110 @@
+"""Checks of user data at the entry points (fit, predictor, calibrate, Laplace).
+
+Each helper raises a :class:`BayesifyError` that says where (``where=``, e.g.
+``"fit"``), what was wrong and what would be right, instead of the bare torch
+error (``IndexError: Target 7 is out of bounds``, ``_LinAlgError``) that the
+bad value would cause several calls later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from bayesify.errors import BayesifyError
+
+__all__ = ["check_finite_inputs", "check_finite_logits", "check_labels", "check_nonempty"]
+
+
+def check_labels(labels: Any, num_classes: int | None, *, where: str) -> torch.Tensor:
+    """Class-index labels ``[N]`` in ``[0, num_classes)``; returns them as ``int64``.
+
+    Refused: non-tensors, floating / complex / bool labels (one-hot or soft labels
+    are not class indices), labels of more than one dimension, and any label
+    outside ``[0, num_classes)`` (the message names the range and the offenders).
+    ``num_classes=None`` checks only ``>= 0``.
+    """
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"{where}: labels must be a tensor of class indices, got "
+                        f"{type(labels).__name__}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise BayesifyError(
+            f"{where}: labels must be integer class indices (torch.long) of shape [N], got "
+            f"{labels.dtype} labels of shape {tuple(labels.shape)}; convert with labels.long() "
+            "if they are whole numbers, or argmax(-1) if they are one-hot"
+        )
+    if labels.dim() != 1:
+        raise BayesifyError(f"{where}: labels must have shape [N] (one class index per example), "
+                            f"got shape {tuple(labels.shape)}")
+    if num_classes is not None and (isinstance(num_classes, bool) or num_classes < 1):
+        raise BayesifyError(f"{where}: num_classes must be a positive integer, got {num_classes!r}")
+    if labels.numel():
+        low, high = int(labels.min()), int(labels.max())
+        upper = num_classes if num_classes is not None else None
+        if low < 0 or (upper is not None and high >= upper):
+            mask = labels < 0
+            if upper is not None:
+                mask |= labels >= upper
+            bad = labels[mask]
+            shown = sorted({int(v) for v in bad[:1000].tolist()})[:5]
+            valid = f"[0, {upper - 1}]" if upper is not None else ">= 0"
+            raise BayesifyError(
+                f"{where}: labels must be class indices in {valid} (the model has "
+                f"{upper if upper is not None else '?'} classes); found {bad.numel()} outside, "
+                f"e.g. {shown} (negative labels usually mark an out-of-distribution loader)"
+            )
+    return labels.long()
+
+
+def check_finite_inputs(inputs: Any, *, where: str) -> None:
+    """Every floating tensor in ``inputs`` (a tensor, or a mapping / sequence of them) is finite.
+
+    Integer tensors (token ids, masks) are not inspected. Raises
+    :class:`BayesifyError` naming the entry and how many values are NaN / inf.
+    """
+    for name, tensor in _floating_tensors(inputs, "inputs"):
+        finite = torch.isfinite(tensor)
+        if not bool(finite.all()):
+            nan = int(torch.isnan(tensor).sum())
+            inf = int((~finite).sum()) - nan
+            rows = ""
+            if tensor.dim() >= 1:
+                bad_rows = (~finite).reshape(tensor.shape[0], -1).any(1).nonzero().flatten()
+                rows = f" in rows {bad_rows[:5].tolist()}{'…' if bad_rows.numel() > 5 else ''}"
+            raise BayesifyError(
+                f"{where}: {name} holds {nan} NaN and {inf} infinite values{rows} "
+                f"(shape {tuple(tensor.shape)}); clean or drop those examples first"
+            )
+
+
+def check_finite_logits(logits: torch.Tensor, *, where: str) -> None:
+    """Logits ``[..., C]`` must be finite (a NaN logit poisons every probability of its row)."""
+    if not bool(torch.isfinite(logits).all()):
+        bad = ~torch.isfinite(logits)
+        count = int(bad.reshape(-1, logits.shape[-1]).any(-1).sum()) if logits.dim() else 1
+        raise BayesifyError(
+            f"{where}: the model produced non-finite logits for {count} example row(s) "
+            f"(shape {tuple(logits.shape)}); check the inputs for NaN/inf and the posterior "
+            "for a diverged fit"
+        )
+
+
+def check_nonempty(count: int, *, where: str, what: str = "the loader") -> None:
+    """``count`` examples/batches must be > 0."""
+    if count <= 0:
+        raise BayesifyError(f"{where}: {what} produced no examples; pass a loader (or tensor) "
+                            "with at least one example")
+
+
+def _floating_tensors(value: Any, name: str):
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex():
+            yield name, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _floating_tensors(item, f"{name}[{key!r}]")
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        for i, item in enumerate(value):
+            yield from _floating_tensors(item, f"{name}[{i}]")
