@@ -258,7 +258,7 @@ def test_unknown_target_names_are_refused_with_close_matches():
     ({"targets": 5}, "targets must be a preset.*got 5"),
     ({"targets": [nn.Linear]}, "targets must be.*list of module names"),
     ({"targets": {"fc": 1}}, "targets must be"),
-    ({"exclude": (3,)}, "exclude must be a list of module names"),
+    ({"exclude": (3,)}, r"exclude(\[0\])? must be"),
 ])
 def test_wrong_target_types_are_type_errors(options, match):
     with pytest.raises(TypeError, match=match):
