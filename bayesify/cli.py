@@ -86,8 +86,8 @@ def families_epilog() -> str:
     return epilog("bayesify fit")
 
 
-def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], bool]:
-    """``(config options, fit keywords, gradient_trained)``, all checked before any work."""
+def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(config options, fit keywords)``, all checked before any work."""
     import inspect
 
     from bayesify.core.registry import get_method_class
@@ -98,25 +98,27 @@ def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any],
     recipe = cls.demo_recipe() if args.recipe else {}
     options = {**recipe.get("options", {}), **key_values(args.option, "--option"),
                **family_options(args, args.method)}
-    gradient = cls(check_family_options(args.method, options)).gradient_trained
-    fit_kwargs = {"epochs": 5, **recipe.get("fit", {})}
+    family = cls(check_family_options(args.method, options))
+    fit_kwargs: dict[str, Any] = {} if family.training == "curvature" else {"epochs": 5}
+    fit_kwargs.update(recipe.get("fit", {}))
     for key, value in (("epochs", args.epochs), ("lr", args.lr),
                        ("kl_anneal_epochs", args.kl_anneal_epochs)):
         if value is not None:
             fit_kwargs[key] = value
     fit_kwargs.update(key_values(args.fit_option, "--fit-option"))
-    if fit_kwargs["epochs"] < 1:
+    if fit_kwargs.get("epochs", 1) < 1:
         raise BayesifyError(f"--epochs must be >= 1, got {fit_kwargs['epochs']}")
-    target = fit if gradient else cls.fit
-    params = inspect.signature(target).parameters
-    if not any(p.kind is p.VAR_KEYWORD for p in params.values()) or gradient:
-        known = {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
-        unknown = sorted(set(fit_kwargs) - known)
-        if unknown:
-            raise BayesifyError(f"unknown fit option(s) {unknown} for method {args.method!r}; "
-                                f"known: {sorted(known)}")
+    known = {n for n, p in inspect.signature(fit).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(fit_kwargs) - known)
+    if unknown:
+        raise BayesifyError(f"unknown fit option(s) {unknown} for method {args.method!r}; "
+                            f"known: {sorted(known)}")
+    refused = sorted(set(fit_kwargs) & set(family.unsupported_fit_options))
+    if refused:
+        raise BayesifyError(f"method {args.method!r} cannot honour fit option(s) {refused}: "
+                            f"{family.unsupported_reason()}")
     check_out(Path(args.out))
-    return options, fit_kwargs, gradient
+    return options, fit_kwargs
 
 
 def _run_fit(args: argparse.Namespace) -> int:
@@ -124,7 +126,7 @@ def _run_fit(args: argparse.Namespace) -> int:
     from bayesify.data.sources import save_checkpoint
     from bayesify.train.loop import fit
 
-    options, fit_kwargs, gradient = _fit_plan(args)
+    options, fit_kwargs = _fit_plan(args)
     model, bundle, spec = resolve(args)
     loaders = bundle.loaders(batch_size=args.batch_size, seed=args.seed, workers=args.workers)
     # recipes name loaders by split ("val_loader": "val")
@@ -135,9 +137,10 @@ def _run_fit(args: argparse.Namespace) -> int:
     staged = StagedOutput(Path(args.out))
     with staged as out:
         bnn = bayesify(model, args.method, **options)
-        extra = ({"base_lr": args.base_lr, "optimizer": args.optimizer, "log_dir": out}
-                 if gradient else {})
-        result = fit(bnn, loaders["train"], progress=show_progress(args), **extra, **fit_kwargs)
+        # the validation split tunes the family's predictive knob (SWAG's scale, Laplace's τ)
+        fit_kwargs.setdefault("val_loader", loaders["val"])
+        result = fit(bnn, loaders["train"], progress=show_progress(args), base_lr=args.base_lr,
+                     optimizer=args.optimizer, log_dir=out, **fit_kwargs)
         val = bnn.predictor(seed=args.seed).evaluate(progress_bar(loaders["val"], "validate", args))
         if is_main():
             save_checkpoint(model, out / BASE_FILE)  # bayesify() wrapped a copy

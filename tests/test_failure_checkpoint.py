@@ -150,10 +150,11 @@ def test_a_nonfinite_state_is_never_written(data, tmp_path):
                 buf.fill_(float("nan"))
 
     bnn = make_bnn()
-    with pytest.raises(NonFiniteLossError, match=r"refusing to write checkpoint .*epoch0001-step"
-                       r"00000002.*NaN/inf in \['posterior\..*epoch0000-step00000001.ckpt"):
+    # the step guard sees the non-finite update first: it restores the posterior of step 1
+    with pytest.raises(NonFiniteLossError, match=r"made the posterior non-finite.*restored"):
         fit(bnn, loader(data), checkpoint_dir=tmp_path, checkpoint_every_steps=1,
             keep_checkpoints=0, callbacks=[PoisonMomentum()], **OPTS)
+    assert all(torch.isfinite(p).all() for p in bnn.posterior_parameters())
     files = C.list_checkpoints(tmp_path)
     assert [p.name for p in files] == ["epoch0000-step00000001.ckpt"]
     for path in files:  # everything on disk is finite and verifies
@@ -183,3 +184,20 @@ def test_pickle_refusal_keeps_torchs_whole_warning(tmp_path):
     assert "never unpickles" in message
     assert "arbitrary code execution" in message  # torch's warning, not cut at 200 characters
     assert "WarningMessage" in message  # and the global it refused
+
+
+def test_the_writer_refuses_a_nonfinite_state(data, tmp_path):
+    """Second line of defence: a state made non-finite outside the optimiser step (here a
+    callback) is never written; the newest finite checkpoint stays the newest."""
+
+    class PoisonPosterior:
+        def on_step_end(self, state, terms):
+            if state.global_step == 2:
+                with torch.no_grad():
+                    next(iter(state.bnn.posterior_parameters())).fill_(float("nan"))
+
+    with pytest.raises(NonFiniteLossError, match=r"refusing to write checkpoint .*epoch0001-step"
+                       r"00000002.*NaN/inf in \['posterior\..*epoch0000-step00000001.ckpt"):
+        fit(make_bnn(), loader(data), checkpoint_dir=tmp_path, checkpoint_every_steps=1,
+            keep_checkpoints=0, callbacks=[PoisonPosterior()], **OPTS)
+    assert [p.name for p in C.list_checkpoints(tmp_path)] == ["epoch0000-step00000001.ckpt"]

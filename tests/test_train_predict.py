@@ -69,7 +69,7 @@ def test_nonfinite_loss_is_a_clear_error(digits_map):
     bnn = bayesify(digits_map, "ibnn", components=2)
     with pytest.raises(NonFiniteLossError, match="epoch 0, step 0"):
         fit(bnn, loader, epochs=1, progress=False)
-    with pytest.raises(BayesifyError, match="epochs must be a positive"):
+    with pytest.raises(BayesifyError, match="epochs must be positive"):
         fit(bnn, loader, epochs=0, progress=False)
 
 

@@ -107,6 +107,14 @@ def in_channels(module: nn.Module) -> int:
     raise TypeError(f"no input-channel count for {type(module).__name__}")
 
 
+def out_channels(module: nn.Module) -> int:
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return module.out_channels
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    raise TypeError(f"no output-channel count for {type(module).__name__}")
+
+
 def broadcast_rows(values: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Tensor:
     """Reshape per-row, per-channel ``values [R, C]`` to broadcast against ``x``.
 

@@ -18,7 +18,13 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.gaussian import gaussian_kl, inverse_softplus
-from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
+from bayesify.core.layers import (
+    BayesianLayer,
+    broadcast_rows,
+    channel_axis,
+    in_channels,
+    out_channels,
+)
 from bayesify.errors import BayesifyError
 
 INIT_CHOICES = ("random_sign", "normal", "ones")
@@ -38,14 +44,6 @@ def init_factor(shape: tuple[int, int], *, init: str, sign_prob: float, std: flo
         plus = torch.rand(shape, device=device) < sign_prob
         return torch.where(plus, 1.0, -1.0)
     raise BayesifyError(f"unknown init {init!r}; use one of {INIT_CHOICES}")
-
-
-def out_channels(module: nn.Module) -> int:
-    if isinstance(module, nn.modules.conv._ConvNd):
-        return module.out_channels
-    if isinstance(module, nn.Linear):
-        return module.out_features
-    raise TypeError(f"no output-channel count for {type(module).__name__}")
 
 
 def forward_without_bias(module: nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

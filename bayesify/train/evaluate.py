@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from bayesify import metrics
 from bayesify.core.batch import iter_batches
+from bayesify.core.checks import check_labels
 from bayesify.errors import BayesifyError
 from bayesify.train.data import ShardSampler, _loader_kwargs
 from bayesify.train.distributed import DistContext, all_gather_objects
@@ -62,8 +63,7 @@ def per_example_stats(predictor: Any, loader: Iterable, *, device: torch.device,
         probs = pred.probs.float()
         classes = probs.shape[-1]
         if labels:
-            y = batch.require_labels("evaluation")
-            _check_labels(y, classes)
+            y = check_labels(batch.require_labels("evaluation"), classes, where="evaluation")
             conf, label = probs.max(-1)
             keep["nll"].append(metrics.per_example_nll(pred.log_probs.float(), y).cpu())
             keep["confidence"].append(conf.cpu())
@@ -78,14 +78,6 @@ def per_example_stats(predictor: Any, loader: Iterable, *, device: torch.device,
     out["members"] = members
     out["num_classes"] = classes
     return out
-
-
-def _check_labels(y: torch.Tensor, classes: int) -> None:
-    if y.is_floating_point() or y.dtype == torch.bool:
-        raise BayesifyError(f"labels must be integer class indices, got dtype {y.dtype}")
-    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= classes):
-        raise BayesifyError(f"labels must lie in [0, {classes - 1}] (the model has {classes} "
-                            f"classes), got values in [{int(y.min())}, {int(y.max())}]")
 
 
 def summarize(stats: dict[str, Any], *, n_bins: int = 15) -> dict[str, Any]:

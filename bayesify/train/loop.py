@@ -33,12 +33,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesify.core.batch import BatchFn, iter_batches
+from bayesify.core.checks import check_labels
 from bayesify.errors import BayesifyError
 from bayesify.train.data import TrainData
 from bayesify.train.distributed import (
     DistContext,
     all_reduce_sum,
     broadcast_object,
+    naming_unresponsive_ranks,
     rank_seed,
     setup_distributed,
 )
@@ -107,6 +109,7 @@ def fit(
     val_every: int = 1,
     val_samples_per_component: int | None = None,
     find_unused_parameters: bool = False,
+    timeout_s: float | None = None,
     **unknown: Any,
 ) -> FitResult:
     """Fit the posterior of ``bnn`` on ``train_loader`` (one loop for every family).
@@ -134,7 +137,9 @@ def fit(
     optional ``on_step_end(state, terms)`` / ``on_epoch_end(state, record)``
     (a plain callable is ``on_epoch_end``), called after the checkpoint is written.
     A non-finite loss or step raises :class:`NonFiniteLossError` with the last
-    finite posterior in memory.
+    finite posterior in memory. ``timeout_s``: how long a collective waits for the
+    other ranks under ``torchrun`` before the error names the rank that did not
+    answer (default 10 minutes).
     """
     validate_fit_options(**locals())  # every option checked before anything changes
     from bayesify.train import resume as ckpt
@@ -165,96 +170,97 @@ def fit(
     momentum = defaults["momentum"] if momentum is None else momentum
     weight_decay = defaults["weight_decay"] if weight_decay is None else weight_decay
     lr_schedule = defaults["lr_schedule"] if lr_schedule is None else lr_schedule
-    ctx = setup_distributed(device, bnn.device)
-    if device is not None or ctx.device != bnn.device:
-        bnn.to(ctx.device)
-    if method.training == "curvature":
-        from bayesify.train.curvature import fit_curvature
+    ctx = setup_distributed(device, bnn.device, timeout_s=timeout_s)
+    with naming_unresponsive_ranks(ctx):  # a silent rank is named, not a bare timeout
+        if device is not None or ctx.device != bnn.device:
+            bnn.to(ctx.device)
+        if method.training == "curvature":
+            from bayesify.train.curvature import fit_curvature
 
-        return fit_curvature(bnn, train_loader, ctx=ctx, val_loader=val_loader, batch_fn=batch_fn,
-                             progress=progress, log_dir=log_dir, checkpoint_dir=checkpoint_dir,
-                             resume=resume, callbacks=[_as_callback(c) for c in callbacks],
-                             amp=amp, result=FitResult())
-    n_train = n_train or _dataset_size(train_loader)
-    lr_schedule, base_lr_schedule = parse_schedule(lr_schedule), parse_schedule(base_lr_schedule)
-    opt = build_optimizer(bnn, lr=lr, base_lr=base_lr, optimizer=optimizer, momentum=momentum,
-                          weight_decay=weight_decay, base_weight_decay=base_weight_decay)
-    schedules = [base_lr_schedule if g.get("name") == "base" else lr_schedule
-                 for g in opt.param_groups]
-    checkpointing = checkpoint_dir is not None or resume is not None
-    payload = ckpt.read_for_resume(resume, ctx) if resume is not None else None
-    if seed is None and payload is not None:
-        seed = int(payload["meta"]["options"]["seed"])
-    seeded = seed is not None or checkpointing or ctx.distributed
-    if seed is None:
-        seed = broadcast_object(int(torch.randint(0, 2**31 - 1, ()).item()), ctx)
-    if ctx.distributed:  # families drawing from the global RNG get per-rank streams too
-        torch.manual_seed(rank_seed(seed, ctx.rank) % (2**31))
-    data = TrainData(train_loader, ctx=ctx, seed=seed, seeded=seeded)
-    noise = torch.Generator(device=ctx.device)
-    noise.manual_seed(rank_seed(seed, ctx.rank))
-    if channels_last:
-        bnn.model.to(memory_format=torch.channels_last)
-    state = TrainState(
-        bnn=bnn, optimizer=opt, base_lrs=[g["lr"] for g in opt.param_groups],
-        schedules=schedules, epochs=epochs, steps_per_epoch=data.batches_per_epoch,
-        n_train=n_train, kl_anneal_epochs=kl_anneal_epochs, beta_max=beta, ctx=ctx,
-        amp=(ctx.device.type == "cuda") if amp is None else bool(amp),
-        channels_last=channels_last, grad_accum_steps=grad_accum_steps,
-        clip_grad_norm=clip_grad_norm, noise_generator=noise,
-    )
-    options = {
-        "lr": lr, "base_lr": base_lr, "kl_anneal_epochs": kl_anneal_epochs, "beta": beta,
-        "lr_schedule": lr_schedule, "base_lr_schedule": base_lr_schedule,
-        "optimizer": optimizer, "momentum": momentum, "weight_decay": weight_decay,
-        "base_weight_decay": base_weight_decay, "n_train": n_train, "seed": seed,
-        "global_batch_size": data.global_batch_size, "grad_accum_steps": grad_accum_steps,
-        "clip_grad_norm": clip_grad_norm,
-    }
-    options = json.loads(json.dumps(options))
-    run = ckpt.Run(directory=Path(checkpoint_dir) if checkpoint_dir is not None else None,
-                   keep=keep_checkpoints, every=checkpoint_every_steps, options=options,
-                   identity=ckpt.identity(bnn) if checkpointing else {})
-    if payload is not None:
-        ckpt.restore(state, payload, run, path=payload["path"])
-    else:
-        method.begin_fit(bnn, steps_per_epoch=state.steps_per_epoch, epochs=epochs)
-    state.forward = TrainForward(bnn, noise)
-    if ctx.distributed:
-        state.ddp = _wrap_ddp(state.forward, ctx, sync_buffers=bnn.bn_train,
-                              find_unused_parameters=find_unused_parameters)
-        state.forward = state.ddp
-    if compile:
-        state.forward = torch.compile(state.forward, **(compile if isinstance(compile, dict) else {}))
-    result = FitResult(history=state.history)
-    log = _Log(log_dir, ctx)
-    hooks = [_as_callback(c) for c in callbacks]
-    while state.epoch < epochs:
-        record = _train_epoch(state, data, progress=progress and ctx.is_main, run=run, hooks=hooks,
-                              batch_fn=batch_fn)
-        is_last = state.epoch + 1 == epochs
-        if is_last:
-            from bayesify.train.evaluate import shard_loader
+            return fit_curvature(bnn, train_loader, ctx=ctx, val_loader=val_loader, batch_fn=batch_fn,
+                                 progress=progress, log_dir=log_dir, checkpoint_dir=checkpoint_dir,
+                                 resume=resume, callbacks=[_as_callback(c) for c in callbacks],
+                                 amp=amp, result=FitResult())
+        n_train = n_train or _dataset_size(train_loader)
+        lr_schedule, base_lr_schedule = parse_schedule(lr_schedule), parse_schedule(base_lr_schedule)
+        opt = build_optimizer(bnn, lr=lr, base_lr=base_lr, optimizer=optimizer, momentum=momentum,
+                              weight_decay=weight_decay, base_weight_decay=base_weight_decay)
+        schedules = [base_lr_schedule if g.get("name") == "base" else lr_schedule
+                     for g in opt.param_groups]
+        checkpointing = checkpoint_dir is not None or resume is not None
+        payload = ckpt.read_for_resume(resume, ctx) if resume is not None else None
+        if seed is None and payload is not None:
+            seed = int(payload["meta"]["options"]["seed"])
+        seeded = seed is not None or checkpointing or ctx.distributed
+        if seed is None:
+            seed = broadcast_object(int(torch.randint(0, 2**31 - 1, ()).item()), ctx)
+        if ctx.distributed:  # families drawing from the global RNG get per-rank streams too
+            torch.manual_seed(rank_seed(seed, ctx.rank) % (2**31))
+        data = TrainData(train_loader, ctx=ctx, seed=seed, seeded=seeded)
+        noise = torch.Generator(device=ctx.device)
+        noise.manual_seed(rank_seed(seed, ctx.rank))
+        if channels_last:
+            bnn.model.to(memory_format=torch.channels_last)
+        state = TrainState(
+            bnn=bnn, optimizer=opt, base_lrs=[g["lr"] for g in opt.param_groups],
+            schedules=schedules, epochs=epochs, steps_per_epoch=data.batches_per_epoch,
+            n_train=n_train, kl_anneal_epochs=kl_anneal_epochs, beta_max=beta, ctx=ctx,
+            amp=(ctx.device.type == "cuda") if amp is None else bool(amp),
+            channels_last=channels_last, grad_accum_steps=grad_accum_steps,
+            clip_grad_norm=clip_grad_norm, noise_generator=noise,
+        )
+        options = {
+            "lr": lr, "base_lr": base_lr, "kl_anneal_epochs": kl_anneal_epochs, "beta": beta,
+            "lr_schedule": lr_schedule, "base_lr_schedule": base_lr_schedule,
+            "optimizer": optimizer, "momentum": momentum, "weight_decay": weight_decay,
+            "base_weight_decay": base_weight_decay, "n_train": n_train, "seed": seed,
+            "global_batch_size": data.global_batch_size, "grad_accum_steps": grad_accum_steps,
+            "clip_grad_norm": clip_grad_norm,
+        }
+        options = json.loads(json.dumps(options))
+        run = ckpt.Run(directory=Path(checkpoint_dir) if checkpoint_dir is not None else None,
+                       keep=keep_checkpoints, every=checkpoint_every_steps, options=options,
+                       identity=ckpt.identity(bnn) if checkpointing else {})
+        if payload is not None:
+            ckpt.restore(state, payload, run, path=payload["path"])
+        else:
+            method.begin_fit(bnn, steps_per_epoch=state.steps_per_epoch, epochs=epochs)
+        state.forward = TrainForward(bnn, noise)
+        if ctx.distributed:
+            state.ddp = _wrap_ddp(state.forward, ctx, sync_buffers=bnn.bn_train,
+                                  find_unused_parameters=find_unused_parameters)
+            state.forward = state.ddp
+        if compile:
+            state.forward = torch.compile(state.forward, **(compile if isinstance(compile, dict) else {}))
+        result = FitResult(history=state.history)
+        log = _Log(log_dir, ctx)
+        hooks = [_as_callback(c) for c in callbacks]
+        while state.epoch < epochs:
+            record = _train_epoch(state, data, progress=progress and ctx.is_main, run=run, hooks=hooks,
+                                  batch_fn=batch_fn)
+            is_last = state.epoch + 1 == epochs
+            if is_last:
+                from bayesify.train.evaluate import shard_loader
 
-            record.update(method.finish_fit(bnn, train_loader=shard_loader(train_loader, ctx),
-                                            val_loader=val_loader, ctx=ctx, batch_fn=batch_fn))
-        if val_loader is not None and ((state.epoch + 1) % max(val_every, 1) == 0 or is_last):
-            from bayesify.train.evaluate import evaluate_sharded
+                record.update(method.finish_fit(bnn, train_loader=shard_loader(train_loader, ctx),
+                                                val_loader=val_loader, ctx=ctx, batch_fn=batch_fn))
+            if val_loader is not None and ((state.epoch + 1) % max(val_every, 1) == 0 or is_last):
+                from bayesify.train.evaluate import evaluate_sharded
 
-            metrics = evaluate_sharded(bnn, val_loader, ctx,
-                                       samples_per_component=val_samples_per_component,
-                                       amp=state.amp, channels_last=channels_last,
-                                       batch_fn=batch_fn)
-            record.update({f"val_{k}": v for k, v in metrics.items() if isinstance(v, float)})
-        state.history.append(record)
-        state.epoch, state.step, state.totals = state.epoch + 1, 0, {}
-        if run.directory is not None:
-            result.last_checkpoint = ckpt.save(state, run)
-        log.write(record)
-        for hook in hooks:
-            hook.on_epoch_end(state, record)
-    bnn.eval()
-    return result
+                metrics = evaluate_sharded(bnn, val_loader, ctx,
+                                           samples_per_component=val_samples_per_component,
+                                           amp=state.amp, channels_last=channels_last,
+                                           batch_fn=batch_fn)
+                record.update({f"val_{k}": v for k, v in metrics.items() if isinstance(v, float)})
+            state.history.append(record)
+            state.epoch, state.step, state.totals = state.epoch + 1, 0, {}
+            if run.directory is not None:
+                result.last_checkpoint = ckpt.save(state, run)
+            log.write(record)
+            for hook in hooks:
+                hook.on_epoch_end(state, record)
+        bnn.eval()
+        return result
 
 
 class _Log:
@@ -331,6 +337,11 @@ def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any
     beta, micro = 0.0, 0
     for batch in iter_batches(data, device=bnn.device, batch_fn=batch_fn,
                               channels_last=state.channels_last):
+        if state.num_classes is None:  # the first batch: the class count is the logits'
+            state.num_classes = _num_classes(bnn, batch)
+        labels = batch.require_labels("fit")
+        if labels.device.type == "cpu" or state.step == 0:  # no device sync on every step
+            check_labels(labels, state.num_classes, where="fit")
         terms = train_step(state, batch)
         micro += 1
         totals["images"] += batch.size
@@ -380,6 +391,20 @@ def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any
     for group in state.optimizer.param_groups[1:]:
         record[f"lr_{group.get('name', 'group')}"] = group["lr"]
     return record
+
+
+@torch.no_grad()
+def _num_classes(bnn: BayesianModel, batch: Any) -> int:
+    """Classes of the model's output, from one row of a batch in eval mode."""
+    from bayesify.core.method import call_model, logits_of
+
+    was_training = bnn.training
+    bnn.eval()
+    try:
+        with bnn.deterministic():
+            return int(logits_of(call_model(bnn.model, batch.rows(slice(0, 1)).model_input())).shape[-1])
+    finally:
+        bnn.train(was_training)
 
 
 def _dataset_size(loader: Iterable) -> int:

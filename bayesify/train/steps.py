@@ -87,6 +87,8 @@ class TrainState:
     totals: dict[str, float] = field(default_factory=dict)
     #: copies of the trainable tensors taken before the latest optimiser step
     backup: list[torch.Tensor] = field(default_factory=list)
+    #: classes of the model's output (set from the first batch; labels are checked)
+    num_classes: int | None = None
 
     @property
     def progress(self) -> float:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from bayesify.core.checks import check_finite_inputs, check_finite_logits, check_labels
 from bayesify.core.method import Method, call_model, logits_of
 from bayesify.errors import BayesifyError
 from bayesify.methods.laplace import curvature as curv
@@ -111,6 +112,8 @@ class LaplaceMethod(Method):
     def accumulate(self, bnn: BayesianModel, inputs: Any, labels: torch.Tensor) -> torch.Tensor:
         """Add one batch's GGN to the layers' buffers and its summed loss to the state.
         Last layer: one no-grad forward, features captured by the wrapper."""
+        check_finite_inputs(inputs.args + tuple(inputs.kwargs.values()) if hasattr(inputs, "args")
+                            else inputs, where="laplace fit")
         layers = self._layers(bnn)
         first = _first(layers)
         dtype = first.n_data.dtype
@@ -119,7 +122,7 @@ class LaplaceMethod(Method):
                 logits = logits_of(call_model(bnn.model, inputs))
                 feats = self._features(first, logits, check=True)
                 if feats is not None:
-                    _check_finite(logits)
+                    check_finite_logits(logits, where="laplace fit")
                     self._last_layer_batch(first, feats.to(dtype), logits.to(dtype).softmax(-1))
             if feats is None:  # diag on a layer that is not the logits: Jacobian path
                 self.last_layer = False
@@ -128,7 +131,8 @@ class LaplaceMethod(Method):
         else:
             with torch.enable_grad():
                 logits = self._subnetwork_batch(bnn, layers, inputs)
-        _check_finite(logits)
+        check_finite_logits(logits, where="laplace fit")
+        labels = check_labels(labels, logits.shape[-1], where="laplace fit")
         loss = F.cross_entropy(logits.double(), labels, reduction="sum")
         total = bnn.state.get_buffer("laplace_train_loss")
         total.add_(loss.to(total.device, total.dtype))
@@ -322,10 +326,7 @@ class LaplaceMethod(Method):
         layers = self._layers(bnn)
         tau = self.prior_precision(bnn)
         if self.last_layer:
-            layer = _first(layers)
-            with _capturing(layer):
-                logits_of(call_model(bnn.model, x))
-                feats = curv.augmented_features(layer.captured[0], layer.has_bias).to(posterior.mean.dtype)
+            _, feats = self._last_layer_features(bnn, x)
             return self._mc_last_layer(posterior, feats, tau, samples_per_component, max_rows, seed)
         params = curv.subnetwork_parameters(bnn.model, self._param_names(layers))
         pieces = []
@@ -335,16 +336,21 @@ class LaplaceMethod(Method):
                                               samples_per_component, seed))
         return torch.cat(pieces, dim=1)
 
+    def _last_layer_features(self, bnn: BayesianModel, x: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """MAP logits ``[B, C]`` and the augmented features ã ``[B, D']`` of the classifier."""
+        layer = _first(self._layers(bnn))
+        with _capturing(layer):
+            logits = logits_of(call_model(bnn.model, x))
+            feats = curv.augmented_features(layer.captured[0], layer.has_bias)
+        return logits, feats.to(self.posterior(bnn).mean.dtype)
+
     def _moments(self, bnn: BayesianModel, x: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """MAP logits ``[B, C]`` and the functional variance ``(diag, rowsum, total)``."""
         posterior = self.posterior(bnn)
         layers = self._layers(bnn)
         tau = self.prior_precision(bnn)
         if self.last_layer:
-            layer = _first(layers)
-            with _capturing(layer):
-                logits = logits_of(call_model(bnn.model, x))
-                feats = curv.augmented_features(layer.captured[0], layer.has_bias).to(posterior.mean.dtype)
+            logits, feats = self._last_layer_features(bnn, x)
             return logits, posterior.functional_variance(feats, tau)
         params = curv.subnetwork_parameters(bnn.model, self._param_names(layers))
         pieces, logits_all = [], []
@@ -427,10 +433,3 @@ def _num_batches(loader: Iterable) -> int:
     except TypeError:
         return 0
 
-
-def _check_finite(logits: torch.Tensor) -> None:
-    if not torch.isfinite(logits).all():
-        raise BayesifyError(
-            "the model produced non-finite logits on a training batch (NaN/inf in the inputs "
-            "or the network); Laplace needs finite inputs — clean the data first"
-        )
