@@ -165,3 +165,101 @@ def test_bn_stays_in_eval_during_training():
     bnn.bn_train = True
     bnn.train()
     assert bnn.model[1].training
+
+
+# -- real-model correctness (issue 14) ----------------------------------------------------
+@pytest.mark.parametrize("method", ["ibnn", "rank1"])
+def test_noise_never_broadcasts_over_a_wrong_channel_count(method):
+    """A 1-channel image into a 3-channel model: the plain conv refuses it, so must the
+    wrapped one (the [R, 3, 1, 1] noise would otherwise broadcast it to 3 channels)."""
+    net = small_net().eval()
+    gray = torch.randn(2, 1, 8, 8)
+    with pytest.raises(RuntimeError):
+        net(gray)
+    bnn = bayesify(net, method)
+    with pytest.raises(BayesifyError, match=r"3 channels.*\(2, 1, 8, 8\) has 1 along axis 1"):
+        bnn(gray)
+    with pytest.raises(BayesifyError, match="3 channels"):
+        bnn.predictor()(gray)
+    assert bnn(torch.randn(2, 3, 8, 8)).shape == (2, 4)  # the right input still works
+
+
+def test_no_family_accepts_a_wrong_channel_count():
+    gray = torch.randn(2, 1, 8, 8)
+    for method in list_methods():
+        bnn = bayesify(small_net().eval(), method)
+        with pytest.raises((BayesifyError, RuntimeError), match="channels"):
+            bnn(gray)
+
+
+def test_linear_noise_checks_the_feature_axis():
+    bnn = bayesify(nn.Sequential(nn.Linear(4, 3)), "ibnn")
+    with pytest.raises(BayesifyError, match="4 channels.*has 1 along axis -1"):
+        bnn(torch.randn(5, 1))
+    assert bnn(torch.randn(5, 7, 4)).shape == (5, 7, 3)  # tokens [B, N, C] still fine
+
+
+class SharedHead(nn.Module):
+    """One Linear registered under two names (``head`` and ``alias``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+        self.alias = self.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x).relu()
+        return self.head(h) + self.alias(h)
+
+
+def test_module_under_two_names_is_wrapped_once_and_both_names_see_it():
+    torch.manual_seed(0)
+    net = SharedHead()
+    bnn = bayesify(net, "ibnn", init_mean_std=0.5)
+    assert bnn.model.head is bnn.model.alias  # one wrapper, under both names
+    assert sorted(bnn.bayesian_layers()) == ["body", "head"]
+    x = torch.randn(6, 4)
+    # deterministic: both paths use the same component means, so f = 2·head(z ∘ h)
+    with bnn.context.use(torch.zeros(6, dtype=torch.long), deterministic=True):
+        out = bnn(x)
+        h = bnn.model.body(x).relu()
+        once = bnn.model.head(h)
+    torch.testing.assert_close(out, 2 * once)
+    plain = bnn.unwrap()
+    assert plain.head is plain.alias and isinstance(plain.head, nn.Linear)
+    assert state_equal(plain, net)
+
+
+def test_torchscript_module_is_refused_with_advice():
+    scripted = torch.jit.script(small_net())
+    with pytest.raises(TypeError, match="TorchScript.*pass the nn.Module"):
+        bayesify(scripted, "ibnn")
+    traced = torch.jit.trace(small_net().eval(), torch.randn(1, 3, 8, 8))
+    with pytest.raises(TypeError, match="eager PyTorch module"):
+        bayesify(traced, "ibnn")
+
+
+def test_unknown_target_names_are_refused_with_close_matches():
+    net = small_net()
+    before = copy.deepcopy(net)
+    with pytest.raises(BayesifyError, match=r"'7x' matches no module.*close matches: \['7'\]"):
+        bayesify(net, "ibnn", targets=["0", "7x"])
+    tv = torchvision.models.resnet18(num_classes=3)
+    with pytest.raises(BayesifyError, match=r"'layer4.0.conv3'.*close matches: \['layer4.0.conv2', 'layer4.0.conv1'"):
+        bayesify(tv, "ibnn", targets=["fc", "layer4.0.conv3"])
+    with pytest.raises(BayesifyError, match=r"matches \['layer1.0.bn1', 'layer1.0.bn2'\] of type\(s\) \['BatchNorm2d'\], none of which.*can wrap"):
+        bayesify(tv, "ibnn", targets=["fc", r"layer1\.0\.bn.*"])
+    assert bayesify(tv, "ibnn", targets=["fc", "layer4.0.conv1"]).targets == ["layer4.0.conv1", "fc"]
+    assert state_equal(net, before)
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"targets": 5}, "targets must be a preset.*got 5"),
+    ({"targets": [nn.Linear]}, "targets must be.*list of module names"),
+    ({"targets": {"fc": 1}}, "targets must be"),
+    ({"exclude": (3,)}, r"exclude(\[0\])? must be"),
+])
+def test_wrong_target_types_are_type_errors(options, match):
+    with pytest.raises(TypeError, match=match):
+        bayesify(small_net(), "ibnn", **options)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from bayesify.core.context import SamplingContext
+from bayesify.errors import BayesifyError
 
 #: shape/configuration attributes copied from the wrapped layer (read-only views)
 SHAPE_ATTRIBUTES = (
@@ -121,6 +122,15 @@ def broadcast_rows(values: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Te
     linear input ``[R, *tokens, C]`` → ``[R, 1, ..., C]`` (shared over tokens).
     """
     rows, chans = values.shape
+    dim = axis if axis >= 0 else x.dim() + axis
+    if x.dim() < 2 or dim >= x.dim() or x.shape[dim] != chans:
+        got = "no such axis" if x.dim() < 2 or dim >= x.dim() else x.shape[dim]
+        raise BayesifyError(
+            f"the layer's posterior noise has {chans} channels, but its input of shape "
+            f"{tuple(x.shape)} has {got} along axis {axis}: the input does not fit the "
+            f"layer (e.g. a 1-channel image fed to a 3-channel model); the plain layer "
+            f"expects {chans} {'channels at axis 1' if axis == 1 else 'features last'}"
+        )
     if axis == 1:
         return values.view(rows, chans, *([1] * (x.dim() - 2)))
     return values.view(rows, *([1] * (x.dim() - 2)), chans)

@@ -7,11 +7,13 @@ presets and include/exclude patterns on qualified module names, like PEFT's
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from bayesify.core.layers import BayesianLayer
@@ -30,6 +32,41 @@ class TargetPlan:
     targets: list[str]
     skipped: dict[str, str] = field(default_factory=dict)
     seen_types: Counter = field(default_factory=Counter)
+    #: target name → the other names the same module object is registered under
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+
+
+def module_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """First qualified name → every other name of the same module object.
+
+    ``named_modules()`` yields a shared module once; a wrapper installed under the
+    first name only would be bypassed through the others.
+    """
+    names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name:
+            names.setdefault(id(module), []).append(name)
+    return {group[0]: group[1:] for group in names.values() if len(group) > 1}
+
+
+def _check_model_type(model: nn.Module) -> None:
+    scripted = [n or "<model>" for n, m in model.named_modules()
+                if isinstance(m, (torch.jit.ScriptModule, torch.jit.RecursiveScriptModule))]
+    if scripted:
+        raise TypeError(
+            f"bayesify needs the eager PyTorch module, but {scripted[:3]} is a TorchScript "
+            "module (torch.jit.script / torch.jit.trace output), whose layers cannot be "
+            "wrapped; pass the nn.Module you scripted (before torch.jit.script) instead"
+        )
+
+
+def _check_pattern_types(name: str, value: object) -> None:
+    if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, str) for v in value):
+        return
+    raise TypeError(
+        f"{name} must be a list of module names / regex patterns (str), e.g. "
+        f"{name}=['fc', 'layer4.*']; got {value!r} ({type(value).__name__})"
+    )
 
 
 def name_matches(name: str, pattern: str) -> bool:
@@ -69,6 +106,9 @@ def find_classifier(model: nn.Module) -> str | None:
 def plan_targets(model: nn.Module, method: Method) -> TargetPlan:
     """Compute (without modifying anything) the qualified names to wrap."""
     config = method.config
+    _check_model_type(model)
+    for option in ("include", "exclude"):
+        _check_pattern_types(option, getattr(config, option))
     plan = TargetPlan(targets=[])
     skip_children: set[str] = set()
     candidates: list[str] = []
@@ -107,6 +147,8 @@ def plan_targets(model: nn.Module, method: Method) -> TargetPlan:
             f"(e.g. {candidates[:5]}); module types seen: {common}"
         )
     plan.targets = selected
+    aliases = module_aliases(model)
+    plan.aliases = {n: aliases[n] for n in selected if n in aliases}
     return plan
 
 
@@ -138,9 +180,40 @@ def _apply_preset(
             f"unknown targets preset {targets!r}; use 'all', 'last_layer', 'first:K', "
             "'last:K' or a list of module names/patterns"
         )
+    if not isinstance(targets, (list, tuple, set, frozenset)) or not all(
+        isinstance(t, str) for t in targets
+    ):
+        raise TypeError(
+            f"targets must be a preset ('all', 'last_layer', 'first:K', 'last:K') or a list "
+            f"of module names / regex patterns (str); got {targets!r} ({type(targets).__name__})"
+        )
     patterns = list(targets)  # explicit list of names / patterns
     _check_explicit(patterns, modules, method)
+    _check_every_pattern_matches(patterns, candidates, modules, method)
     return [n for n in candidates if _matches_any(n, patterns)]
+
+
+def _check_every_pattern_matches(patterns: list[str], candidates: list[str],
+                                 modules: dict[str, nn.Module], method: Method) -> None:
+    """A listed target that selects nothing is a typo or a stale name: refuse it."""
+    names = [n for n in modules if n]
+    for pattern in patterns:
+        if any(name_matches(n, pattern) for n in candidates):
+            continue
+        matched = [n for n in names if name_matches(n, pattern)]
+        if matched:
+            types = sorted({type(modules[n]).__name__ for n in matched})
+            supported = ", ".join(t.__name__ for t in method.wrappers)
+            raise BayesifyError(
+                f"targets entry {pattern!r} matches {matched[:5]} of type(s) {types}, none of "
+                f"which method {method.name!r} can wrap here (supported: {supported}; a layer "
+                "whose parent reads its weights directly is skipped)"
+            )
+        close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
+        hint = f"close matches: {close}" if close else f"module names look like {names[:5]}"
+        raise BayesifyError(
+            f"targets entry {pattern!r} matches no module of the model; {hint}"
+        )
 
 
 def _check_explicit(patterns: Iterable[str], modules: dict[str, nn.Module], method: Method) -> None:
@@ -156,8 +229,15 @@ def _check_explicit(patterns: Iterable[str], modules: dict[str, nn.Module], meth
 
 
 def replace_modules(model: nn.Module, replacements: dict[str, nn.Module]) -> None:
-    """Install ``replacements`` (qualified name → new module) into ``model``."""
+    """Install ``replacements`` (qualified name → new module) into ``model``.
+
+    A module registered under several names is replaced under all of them by the
+    same new module, so no path to it bypasses the wrapper.
+    """
+    aliases = module_aliases(model)
     for name, new in replacements.items():
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, new)
+        for alias in (name, *aliases.get(name, ())):
+            parent_name, _, attr = alias.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, new)
+

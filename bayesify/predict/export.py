@@ -1,8 +1,14 @@
 """Export a predictor as a plain module: frozen samples + temperature, no bayesify.
 
-``export_predictor(predictor, path, example_input)`` builds
+``export_predictor(predictor, path, example)`` builds
 
-    x [B, ...] → (probs [B, C], epistemic [B])
+    inputs → (probs [B, C], epistemic [B])
+
+where ``inputs`` are the example's inputs under the same names: one tensor
+``x [B, ...]``, a tuple ``(input_0, input_1, ...)`` or a mapping such as
+``{"input_ids" [B, N], "attention_mask" [B, N]}`` (see
+:mod:`bayesify.predict.export_inputs`). The batch axis, and the sequence axis of
+integer token inputs, stay dynamic.
 
 where ``probs = (1/M) Σ_m softmax(f_m(x) / T)`` is the mixture predictive of the
 M members and ``epistemic = H(probs) − (1/M) Σ_m H(softmax(f_m(x) / T))`` is the
@@ -16,15 +22,24 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from bayesify.core.batch import Batch
 from bayesify.core.context import SamplingContext, expand_plan_rows
-from bayesify.core.method import Method, logits_of, tile
+from bayesify.core.method import Method, logits_of
 from bayesify.errors import BayesifyError
+from bayesify.predict.export_inputs import (
+    InputLayout,
+    dynamic_shapes,
+    example_batch,
+    named_input_module,
+    widen_example,
+)
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -32,10 +47,14 @@ if TYPE_CHECKING:
 
 EPS = 1e-12
 FORMATS = ("pt2", "onnx")
-#: name prefixes of ATen ops that draw random numbers (rand, randn_like, normal_, ...):
-#: an exported predictor must contain none
-RANDOM_OP_PREFIXES = ("rand", "bernoulli", "normal", "uniform", "multinomial", "dropout",
-                      "native_dropout", "exponential", "poisson", "cauchy", "geometric")
+#: name prefixes of ATen ops that always draw random numbers (rand, randn_like,
+#: normal_, ...): an exported predictor must contain none
+RANDOM_OP_PREFIXES = ("rand", "bernoulli", "normal", "uniform", "multinomial", "exponential",
+                      "poisson", "cauchy", "geometric", "log_normal")
+#: dropout ops ``op(input, p, train)``: they draw only when ``train`` is true and p > 0
+#: (an eval-mode ``nn.Dropout`` traces as ``aten.dropout(x, p, False)``, the identity)
+DROPOUT_OPS = ("dropout", "native_dropout", "feature_dropout", "alpha_dropout",
+               "feature_alpha_dropout")
 
 
 class FrozenNoiseContext(SamplingContext):
@@ -99,22 +118,42 @@ class FrozenNoiseMembers(nn.Module):
             self._table_names[key] = name
         self.context.recording = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m, b = self.member_components.shape[0], x.shape[0]
-        member = torch.arange(m, device=x.device).unsqueeze(1).expand(m, b).reshape(-1)
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        batch = Batch(args, kwargs)
+        # Batch.size/.tile call int() on the batch size, which would make torch.export
+        # specialise it: read and tile the (symbolic) size here instead
+        first = next(t for t in batch.tensors() if t.dim() > 0)
+        m, b = self.member_components.shape[0], first.shape[0]
+        member = torch.arange(m, device=first.device).unsqueeze(1).expand(m, b).reshape(-1)
         component = self.member_components.unsqueeze(1).expand(m, b).reshape(-1)
         if not self.context.recording:
             # read the buffers inside forward so tracing sees them as module state
             self.context.tables = {k: getattr(self, n) for k, n in self._table_names.items()}
         with self.context.use(component, deterministic=self.deterministic, member=member,
                               num_members=m, seed=self.seed):
-            logits = logits_of(self.model(tile(x, m)))
+            logits = logits_of(_tile_rows(batch, m, b).call(self.model))
         return logits.reshape(m, b, logits.shape[-1])
 
 
+def _tile_rows(batch: Batch, reps: int, rows: Any) -> Batch:
+    """``[B, ...]`` → ``[reps·B, ...]`` (row ``r`` is example ``r % B``) for every input
+    with ``rows`` leading rows; ``rows`` may be symbolic."""
+    if reps == 1:
+        return batch
+
+    def tile(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows:
+            return v.repeat(reps, *([1] * (v.dim() - 1)))
+        return v
+
+    return Batch(tuple(tile(a) for a in batch.args), {k: tile(v) for k, v in batch.kwargs.items()})
+
+
 def frozen_noise_members(bnn: BayesianModel, *, samples_per_component: int, seed: int,
-                         example_input: torch.Tensor) -> FrozenNoiseMembers:
+                         example_input: Any) -> FrozenNoiseMembers:
     """Default :meth:`Method.export_module`: a frozen-noise copy of ``bnn.model``.
+
+    ``example_input``: a tensor, a tuple of inputs, a mapping or a ``Batch``.
 
     Valid for families that predict with the default ``Method.member_logits``
     and whose layers draw noise only through ``SamplingContext.draw``.
@@ -131,28 +170,29 @@ def frozen_noise_members(bnn: BayesianModel, *, samples_per_component: int, seed
     for module in model.modules():
         if isinstance(module.__dict__.get("context"), SamplingContext):
             object.__setattr__(module, "context", context)
-    members = method.member_components(samples_per_component, example_input.device)
+    example = example_batch(example_input)
+    members = method.member_components(samples_per_component, example.device)
     frozen = FrozenNoiseMembers(model, context, members, seed=seed,
                                 deterministic=bnn.context.force_deterministic)
     with torch.no_grad():
-        frozen(example_input)  # records every layer's [M, ...] noise table
+        example.call(frozen)  # records every layer's [M, ...] noise table
     frozen.freeze_tables()
     return frozen
 
 
 class StackedModels(nn.Module):
-    """Plain networks (MAP or a deep ensemble) as ``x → [M, B, C]``."""
+    """Plain networks (MAP or a deep ensemble) as ``inputs → [M, B, C]``."""
 
     def __init__(self, models: list[nn.Module]) -> None:
         super().__init__()
         self.models = nn.ModuleList(copy.deepcopy(m).eval() for m in models)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack([logits_of(m(x)).float() for m in self.models])
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.stack([logits_of(m(*args, **kwargs)).float() for m in self.models])
 
 
 class ExportedPredictor(nn.Module):
-    """``x → (probs [B, C], epistemic [B])`` from member logits and a temperature.
+    """``inputs → (probs [B, C], epistemic [B])`` from member logits and a temperature.
 
     Same arithmetic as :class:`~bayesify.predict.prediction.Prediction`:
     ``log p = logsumexp_m log_softmax(f_m / T) − log M``; MI = H(p) − mean_m H(p_m) ≥ 0.
@@ -165,8 +205,8 @@ class ExportedPredictor(nn.Module):
         self.num_members = int(num_members)
         self.log_members = math.log(num_members)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.members(x).float() / self.temperature
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.members(*args, **kwargs).float() / self.temperature
         member_log_probs = logits.log_softmax(-1)
         probs = (torch.logsumexp(member_log_probs, dim=0) - self.log_members).exp()
         member_probs = member_log_probs.exp()
@@ -175,11 +215,16 @@ class ExportedPredictor(nn.Module):
         return probs, (total - aleatoric).clamp_min(0)
 
 
-def build_exported_predictor(predictor: BasePredictor, example_input: torch.Tensor) -> ExportedPredictor:
-    """The plain module behind :func:`export_predictor` (eval mode, on the input's device)."""
+def build_exported_predictor(predictor: BasePredictor, example_input: Any) -> ExportedPredictor:
+    """The plain module behind :func:`export_predictor` (eval mode, on the predictor's device).
+
+    ``example_input``: a tensor, a tuple of inputs or a mapping (see
+    :func:`~bayesify.predict.export_inputs.example_batch`); the module is called
+    with the same inputs: ``module(x)``, ``module(*inputs)`` or ``module(**inputs)``.
+    """
     from bayesify.predict.predictor import EnsemblePredictor, ModelPredictor
 
-    x = example_input.to(predictor.device)
+    example = example_batch(example_input).to(predictor.device)
     if isinstance(predictor, EnsemblePredictor):
         bnn = predictor.bnn
         was_training = bnn.training
@@ -187,7 +232,7 @@ def build_exported_predictor(predictor: BasePredictor, example_input: torch.Tens
         try:
             members = bnn.method.export_module(
                 bnn, samples_per_component=predictor.samples_per_component,
-                seed=predictor.seed, example_input=x,
+                seed=predictor.seed, example_input=example,
             )
         finally:
             bnn.train(was_training)
@@ -197,35 +242,45 @@ def build_exported_predictor(predictor: BasePredictor, example_input: torch.Tens
         raise BayesifyError(f"cannot export a {type(predictor).__name__}; use an "
                             "EnsemblePredictor (bnn.predictor()) or a ModelPredictor")
     with torch.no_grad():
-        num_members = members(x).shape[0]
+        num_members = example.call(members).shape[0]
     return ExportedPredictor(members, predictor.temperature, num_members).eval()
 
 
-def _example(example_input: torch.Tensor) -> torch.Tensor:
-    # torch.export specialises batch sizes 0/1: trace with at least two rows
-    if example_input.shape[0] >= 2:
-        return example_input
-    return example_input[:1].expand(2, *example_input.shape[1:]).contiguous()
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether an ATen call really draws random numbers (see ``DROPOUT_OPS``)."""
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    if name in DROPOUT_OPS:
+        args = list(node.args) + [None] * 3
+        p = node.kwargs.get("p", args[1])
+        train = node.kwargs.get("train", args[2])
+        # native_dropout's train may be None ("use the default": training)
+        return (train is None or bool(train)) and not (isinstance(p, (int, float)) and p == 0)
+    return name.startswith(RANDOM_OP_PREFIXES)
 
 
-def _random_ops(program: torch.export.ExportedProgram) -> list[str]:
+def random_ops(program: torch.export.ExportedProgram) -> list[str]:
+    """ATen calls of ``program`` (nested graphs included) that draw random numbers."""
     found = []
-    for node in program.graph.nodes:
-        if node.op == "call_function":
-            name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-            if name.startswith(RANDOM_OP_PREFIXES):
-                found.append(str(node.target))
+    for module in program.graph_module.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        found += [str(n.target) for n in graph.nodes if n.op == "call_function" and _draws(n)]
     return found
 
 
-def export_program(module: ExportedPredictor, example_input: torch.Tensor,
+def export_program(module: nn.Module, example_input: Any,
                    *, method: str = "model") -> torch.export.ExportedProgram:
-    """``torch.export`` with a dynamic batch axis; refuses graphs that draw random numbers."""
-    x = _example(example_input)
-    batch = torch.export.Dim("batch", min=1)
+    """``torch.export`` with dynamic batch (and token) axes; refuses graphs that draw
+    random numbers. The program takes the example's inputs under their names."""
+    example = widen_example(example_batch(example_input))
+    layout = InputLayout.of(example)
+    named = named_input_module(module, layout)
     try:
         with torch.no_grad():
-            program = torch.export.export(module, (x,), dynamic_shapes={"x": {0: batch}},
+            args, kwargs = layout.call_inputs(example)
+            program = torch.export.export(named, args, kwargs=kwargs,
+                                          dynamic_shapes=dynamic_shapes(layout, example),
                                           strict=False)
     except BayesifyError:
         raise
@@ -236,20 +291,53 @@ def export_program(module: ExportedPredictor, example_input: torch.Tensor,
             f"prediction ({type(err).__name__}: {first}); its layers use Python-side state "
             "or data-dependent shapes, so the family has to implement Method.export_module"
         ) from err
-    random_ops = _random_ops(program)
-    if random_ops:
+    _warn_fixed_token_axes(program, layout, example)
+    drawn = random_ops(program)
+    if drawn:
         raise BayesifyError(
             f"method {method!r} cannot be exported: its exported graph still draws random "
-            f"numbers ({sorted(set(random_ops))}), i.e. some layer samples outside "
-            "SamplingContext.draw; the family has to implement Method.export_module"
+            f"numbers ({sorted(set(drawn))}), i.e. some layer samples outside "
+            "SamplingContext.draw (or a Dropout is in training mode); the family has to "
+            "implement Method.export_module"
         )
     return program
+
+
+def _warn_fixed_token_axes(program: torch.export.ExportedProgram, layout: InputLayout,
+                           example: Batch) -> None:
+    """Token axes are traced with ``Dim.AUTO``: say so when the model fixed them."""
+    wanted = {n: sorted(spec) for n, spec in dynamic_shapes(layout, example).items()}
+    got = dynamic_axes(program)
+    fixed = [n for n, axes in wanted.items() if 1 in axes and 1 not in got.get(n, [1])]
+    if fixed:
+        warnings.warn(
+            f"the exported program fixes the sequence length of {fixed} to the example's "
+            f"({[int(layout.tensors(example)[layout.names.index(n)].shape[1]) for n in fixed]}): "
+            "the model specialises it (torch.export unrolls nn.LSTM / nn.GRU over time, for "
+            "one); pad inputs to that length, or export once per length",
+            stacklevel=3,
+        )
+
+
+def dynamic_axes(program: torch.export.ExportedProgram) -> dict[str, list[int]]:
+    """Input name → axes the program left symbolic (batch, and tokens where it could)."""
+    out: dict[str, list[int]] = {}
+    specs = [s for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    for spec in specs:
+        node = nodes.get(spec.arg.name)
+        value = None if node is None else node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            # a SymInt that export replaced by a constant prints as a number
+            out[spec.arg.name] = [i for i, d in enumerate(value.shape)
+                                  if not isinstance(d, int) and not str(d).isdigit()]
+    return out
 
 
 def export_predictor(
     predictor: BasePredictor,
     path: str | Path,
-    example_input: torch.Tensor,
+    example_input: Any,
     *,
     format: str = "pt2",
     verify: bool = True,
@@ -257,40 +345,46 @@ def export_predictor(
 ) -> dict[str, Any]:
     """Freeze ``predictor`` (samples + temperature) and save it as ``.pt2`` or ONNX.
 
-    ``example_input [B, ...]`` fixes every non-batch dimension; the batch axis
-    stays dynamic. With ``verify`` the saved artefact is reloaded and its probs /
-    epistemic must match the in-process predictor to ``atol`` on the example.
-    Returns ``{"path", "format", "members", "temperature", "max_abs_diff"}``.
+    ``example_input``: a tensor ``[B, ...]``, a tuple of input tensors or a mapping
+    (``{"input_ids" [B, N], "attention_mask" [B, N]}``; a ``labels`` entry is
+    dropped). It fixes every non-dynamic dimension; the batch axis, and the token
+    axis of integer ``[B, N]`` inputs, stay dynamic. The saved program takes the
+    same inputs under the same names (``x`` for a single tensor, ``input_i`` for a
+    tuple, the keys of a mapping). With ``verify`` the saved artefact is reloaded
+    and its probs / epistemic must match the in-process predictor to ``atol`` on
+    the example. Returns ``{"path", "format", "method", "members", "temperature",
+    "max_abs_diff", "inputs", "dynamic_axes"}``.
     """
     if format not in FORMATS:
         raise BayesifyError(f"unknown export format {format!r}; use one of {FORMATS}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     method = getattr(getattr(predictor, "bnn", None), "method_name", "model")
-    module = build_exported_predictor(predictor, example_input)
-    x = _example(example_input.to(predictor.device))
-    program = export_program(module, x, method=method)
+    example = widen_example(example_batch(example_input).to(predictor.device))
+    module = build_exported_predictor(predictor, example)
+    program = export_program(module, example, method=method)
     # write beside the target and rename only once verified: no wrong file is left behind
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
     try:
         if format == "pt2":
             torch.export.save(program, str(tmp))
         else:
-            _save_onnx(program, tmp)
-        diff = _verify(predictor, tmp, x, method=method, atol=atol) if verify else None
+            _save_onnx(program, tmp, InputLayout.of(example).names)
+        diff = _verify(predictor, tmp, example, method=method, atol=atol) if verify else None
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return {"path": str(path), "format": format, "method": method,
             "members": module.num_members, "temperature": float(predictor.temperature),
-            "max_abs_diff": diff}
+            "max_abs_diff": diff, "inputs": list(InputLayout.of(example).names),
+            "dynamic_axes": dynamic_axes(program)}
 
 
-def _verify(predictor: BasePredictor, path: Path, x: torch.Tensor, *, method: str,
+def _verify(predictor: BasePredictor, path: Path, example: Batch, *, method: str,
             atol: float) -> float:
     """Max |difference| of probs / epistemic between the saved file and ``predictor``."""
-    reference = predictor(x)
-    probs, epistemic = run_exported(path, x)
+    reference = example.call(predictor)
+    probs, epistemic = run_exported(path, example)
     diff = max((probs.cpu() - reference.probs.cpu()).abs().max().item(),
                (epistemic.cpu() - reference.epistemic.cpu()).abs().max().item())
     if not diff <= atol:
@@ -302,9 +396,10 @@ def _verify(predictor: BasePredictor, path: Path, x: torch.Tensor, *, method: st
     return diff
 
 
-def _save_onnx(program: torch.export.ExportedProgram, path: Path) -> None:
+def _save_onnx(program: torch.export.ExportedProgram, path: Path, names: tuple[str, ...]) -> None:
     try:
-        onnx_program = torch.onnx.export(program, dynamo=True, verbose=False, input_names=["input"],
+        onnx_program = torch.onnx.export(program, dynamo=True, verbose=False,
+                                         input_names=list(names),
                                          output_names=["probs", "epistemic"])
     except ImportError as err:
         raise BayesifyError(
@@ -313,10 +408,33 @@ def _save_onnx(program: torch.export.ExportedProgram, path: Path) -> None:
     onnx_program.save(str(path))
 
 
-def run_exported(path: str | Path, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(probs, epistemic)`` of a saved ``.pt2`` (torch, on ``x``'s device) or ``.onnx``
-    (onnxruntime, CPU)."""
+def _numpy_input(t: torch.Tensor) -> Any:
+    t = t.detach().cpu()
+    if t.is_floating_point():
+        t = t.float()
+    elif t.dtype != torch.bool:
+        t = t.long()
+    return t.numpy()
+
+
+def run_exported(path: str | Path, *inputs: Any, **named: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, epistemic)`` of a saved ``.pt2`` (torch, on the inputs' device) or
+    ``.onnx`` (onnxruntime, CPU).
+
+    Inputs as at export: ``run_exported(path, x)``, ``run_exported(path, mapping)``,
+    ``run_exported(path, *tensors)`` or ``run_exported(path, **mapping)``.
+    """
     path = Path(path)
+    if len(inputs) == 1 and not named:
+        batch = example_batch(inputs[0])
+    elif inputs or named:
+        batch = Batch(tuple(inputs), dict(named), None)
+    else:
+        raise BayesifyError("run_exported needs the inputs the program was exported with")
+    batch = Batch(tuple(a.detach() for a in batch.args),
+                  {k: v.detach() for k, v in batch.kwargs.items() if isinstance(v, torch.Tensor)})
+    layout = InputLayout.of(batch)
+    tensors = layout.tensors(batch)
     if path.suffix == ".onnx":
         try:
             import onnxruntime
@@ -324,10 +442,17 @@ def run_exported(path: str | Path, x: torch.Tensor) -> tuple[torch.Tensor, torch
             raise BayesifyError("running an ONNX export needs onnxruntime: "
                                 "pip install 'bayesify[export]'") from err
         session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        name = session.get_inputs()[0].name
-        probs, epistemic = session.run(None, {name: x.detach().cpu().float().numpy()})
+        wanted = [i.name for i in session.get_inputs()]
+        given = dict(zip(layout.names, tensors))
+        if len(wanted) == 1 and len(given) == 1:  # files written before inputs were named
+            given = {wanted[0]: next(iter(given.values()))}
+        missing = [n for n in wanted if n not in given]
+        if missing:
+            raise BayesifyError(f"the ONNX program takes inputs {wanted}; missing {missing}")
+        probs, epistemic = session.run(None, {n: _numpy_input(given[n]) for n in wanted})
         return torch.from_numpy(probs), torch.from_numpy(epistemic)
     module = torch.export.load(str(path)).module()
+    args, kwargs = layout.call_inputs(batch)
     with torch.no_grad():
-        probs, epistemic = module(x.detach())
+        probs, epistemic = module(*args, **kwargs)
     return probs, epistemic

@@ -14,7 +14,7 @@ Training is unchanged (the routing layer is not touched).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,8 +36,8 @@ class ComponentStack(nn.Module):
         self.models = nn.ModuleList(models)
         self.register_buffer("member_components", member_components.clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = torch.stack([logits_of(m(x)).float() for m in self.models])
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        logits = torch.stack([logits_of(m(*args, **kwargs)).float() for m in self.models])
         return logits.index_select(0, self.member_components)
 
 
@@ -76,7 +76,7 @@ def component_network(bnn: BayesianModel, k: int) -> nn.Module:
 
 
 def export_ensemble(bnn: BayesianModel, *, samples_per_component: int,
-                    example_input: torch.Tensor) -> nn.Module:
+                    example_input: Any) -> nn.Module:
     """``x → [M, B, C]``: K member networks, member m = component ``member_components[m]``."""
     method = bnn.method
     members = method.member_components(samples_per_component, example_input.device)

@@ -20,7 +20,7 @@ Since M = 1 for probit / bridge the exported mutual information is 0, as in proc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -95,8 +95,8 @@ class LastLayerLaplace(nn.Module):
                   * feats.unsqueeze(1)).sum(-1)
         return diag, rowsum, rowsum.sum(-1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = logits_of(self.model(x))
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        logits = logits_of(self.model(*args, **kwargs))
         a, self.tap.features = self.tap.features, None
         feats = augmented_features(a, self.has_bias).to(self.dtype)
         if self.link == "mc":
@@ -131,7 +131,7 @@ def _last_layer_tensors(posterior: object, structure: str, link: str, tau: torch
 
 
 def export_laplace(method: LaplaceMethod, bnn: BayesianModel, *, samples_per_component: int,
-                   seed: int, example_input: torch.Tensor, deterministic: bool) -> nn.Module:
+                   seed: int, example_input: Any, deterministic: bool) -> nn.Module:
     """The plain ``x → [M, B, C]`` module of ``method``'s predictive (see module docstring)."""
     from bayesify.core.stacked import StackedModels
 
