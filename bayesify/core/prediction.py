@@ -21,6 +21,21 @@ def gaussian_noise(num_classes: int) -> torch.Tensor:
     return torch.randn((GAUSSIAN_SAMPLES, 1, num_classes), generator=generator)
 
 
+def gaussian_log_probs(mean: torch.Tensor, variance: torch.Tensor, link: str, *,
+                       rowsum: torch.Tensor | None = None,
+                       total: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, C]`` log predictive probabilities of ``N(mean, Σ)`` over the logits with the
+    probit link (``diag Σ = variance``) or the Laplace bridge (also ``Σ 1``, ``1ᵀ Σ 1``)."""
+    mean, var = mean.float(), variance.float().clamp_min(0)
+    if link == "probit":
+        return torch.log_softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1)
+    if link == "bridge":
+        from bayesify.core.gaussian import bridge_log_probs
+
+        return bridge_log_probs(mean, (var, rowsum, total)).float()
+    raise ValueError(f"unknown link {link!r}; use 'probit' or 'bridge'")
+
+
 @dataclass(frozen=True)
 class Prediction:
     """Predictive distribution for a batch of B inputs: members or moments.
@@ -88,14 +103,8 @@ class Prediction:
         """``[B, C]`` log predictive probabilities (mixture mean, or the link)."""
         if not self.is_gaussian:
             return metrics.mixture_log_probs(self.member_logits_)
-        mean, var = self.mean.float(), self.variance.float().clamp_min(0)
-        if self.link == "probit":
-            return torch.log_softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1)
-        if self.link == "bridge":
-            from bayesify.core.gaussian import bridge_log_probs
-
-            return bridge_log_probs(mean, (var, self.rowsum, self.total)).float()
-        raise ValueError(f"unknown link {self.link!r}")
+        return gaussian_log_probs(self.mean, self.variance, self.link, rowsum=self.rowsum,
+                                  total=self.total)
 
     @cached_property
     def member_probs(self) -> torch.Tensor:

@@ -215,7 +215,38 @@ class ExportedPredictor(nn.Module):
         return probs, (total - aleatoric).clamp_min(0)
 
 
-def build_exported_predictor(predictor: BasePredictor, example_input: Any) -> ExportedPredictor:
+class GaussianExportedPredictor(nn.Module):
+    """``inputs → (probs [B, C], epistemic [B])`` of a Gaussian predictive over the logits.
+
+    ``moments(inputs) → [3, B, C]`` = (mean, diag Σ_f, Σ_f 1). Same arithmetic as
+    :class:`~bayesify.core.prediction.Prediction`: the temperature divides the logits
+    (mean / T, Σ / T²), the link gives the probabilities, and the aleatoric part is the
+    expected entropy over the same fixed draws ``z [S, 1, C]`` (a buffer).
+    """
+
+    def __init__(self, moments: nn.Module, temperature: float, link: str, num_classes: int) -> None:
+        super().__init__()
+        from bayesify.core.prediction import gaussian_noise
+
+        self.moments, self.link = moments, link
+        self.register_buffer("temperature", torch.tensor(float(temperature)))
+        self.register_buffer("noise", gaussian_noise(num_classes))
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        from bayesify.core.prediction import gaussian_log_probs
+
+        mean, var, rowsum = self.moments(*args, **kwargs).float().unbind(0)
+        t = self.temperature
+        mean, var, rowsum = mean / t, var / (t * t), rowsum / (t * t)
+        probs = gaussian_log_probs(mean, var, self.link, rowsum=rowsum,
+                                   total=rowsum.sum(-1)).exp()
+        member_probs = (mean + var.clamp_min(0).sqrt() * self.noise).softmax(-1)  # [S, B, C]
+        total = -(probs * probs.clamp_min(EPS).log()).sum(-1)
+        aleatoric = -(member_probs * member_probs.clamp_min(EPS).log()).sum(-1).mean(0)
+        return probs, (total - aleatoric).clamp_min(0)
+
+
+def build_exported_predictor(predictor: BasePredictor, example_input: Any) -> nn.Module:
     """The plain module behind :func:`export_predictor` (eval mode, on the predictor's device).
 
     ``example_input``: a tensor, a tuple of inputs or a mapping (see
@@ -242,8 +273,12 @@ def build_exported_predictor(predictor: BasePredictor, example_input: Any) -> Ex
         raise BayesifyError(f"cannot export a {type(predictor).__name__}; use an "
                             "EnsemblePredictor (bnn.predictor()) or a ModelPredictor")
     with torch.no_grad():
-        num_members = example.call(members).shape[0]
-    return ExportedPredictor(members, predictor.temperature, num_members).eval()
+        out = example.call(members)
+    link = getattr(members, "gaussian_link", None)
+    if link is not None:
+        return GaussianExportedPredictor(members, predictor.temperature, link,
+                                         out.shape[-1]).eval()
+    return ExportedPredictor(members, predictor.temperature, out.shape[0]).eval()
 
 
 def _draws(node: torch.fx.Node) -> bool:
@@ -375,7 +410,7 @@ def export_predictor(
     finally:
         tmp.unlink(missing_ok=True)
     return {"path": str(path), "format": format, "method": method,
-            "members": module.num_members, "temperature": float(predictor.temperature),
+            "members": getattr(module, "num_members", 1), "temperature": float(predictor.temperature),
             "max_abs_diff": diff, "inputs": list(InputLayout.of(example).names),
             "dynamic_axes": dynamic_axes(program)}
 

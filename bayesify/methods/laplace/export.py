@@ -101,12 +101,15 @@ class LastLayerLaplace(nn.Module):
         feats = augmented_features(a, self.has_bias).to(self.dtype)
         if self.link == "mc":
             return torch.einsum("bd,scd->sbc", feats, self.weight_samples)
-        fvar = self.functional_variance(feats)
-        out_dtype = logits.dtype
-        logits = logits.to(fvar[0].dtype)
-        if self.link == "probit":
-            return post.probit_log_probs(logits, fvar[0]).to(out_dtype).unsqueeze(0)
-        return post.bridge_log_probs(logits, fvar).to(out_dtype).unsqueeze(0)
+        diag, rowsum, _ = self.functional_variance(feats)
+        # the Gaussian over the logits: [3, B, C] = (mean, diag Σ_f, Σ_f 1); the link and
+        # the uncertainty decomposition are applied by the exported predictor
+        return torch.stack([logits.float(), diag.float(), rowsum.float()])
+
+    @property
+    def gaussian_link(self) -> str | None:
+        """The link of a Gaussian predictive (None for MC samples)."""
+        return None if self.link == "mc" else self.link
 
 
 def _last_layer_tensors(posterior: object, structure: str, link: str, tau: torch.Tensor, *,
