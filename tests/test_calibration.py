@@ -85,10 +85,26 @@ def test_calibrating_twice_keeps_the_optimum(digits, digits_map):
 def test_a_worse_optimum_keeps_the_previous_temperature(digits, digits_map, monkeypatch):
     predictor = ModelPredictor(digits_map, temperature=1.0)
     monkeypatch.setattr(calibration, "fit_temperature", lambda *a, **k: 1e3)
-    result = predictor.calibrate(_digits_loader(digits, "val"))
+    result = predictor.calibrate(_digits_loader(digits, "val"), rule="min")
     assert result.kept_previous and result.optimum_temperature == 1e3
     assert predictor.temperature == 1.0
     assert result.nll_after == result.nll_before
+
+
+def test_one_se_rule_keeps_the_softest_temperature_the_split_cannot_refuse():
+    """A perfectly classified split: the NLL optimum runs to hard votes (T → bound);
+    the default rule keeps the softest T within one paired standard error of it."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 4, (60,), generator=g)
+    logits = torch.randn(1, 60, 4, generator=g)
+    logits[0, torch.arange(60), labels] += 4.0  # every example right, moderately confident
+    pred = calibration.Prediction(logits)
+    optimum = calibration.fit_temperature(logits, labels)
+    chosen, curve = calibration.choose_temperature(pred, labels, previous=1.0, optimum=optimum)
+    assert optimum < 0.1  # the optimum overfits towards hard votes
+    assert optimum < chosen <= 1.0
+    nll = dict(zip(curve["temperature_grid"], curve["temperature_val_nll"]))
+    assert nll[chosen] <= nll[1.0]
 
 
 def test_calibration_errors(digits, digits_map):

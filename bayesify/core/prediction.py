@@ -78,11 +78,14 @@ class Prediction:
     def is_gaussian(self) -> bool:
         return self.mean is not None
 
-    def scaled(self, temperature: float) -> Prediction:
-        """The predictive of the logits divided by ``temperature``."""
-        t = float(temperature)
-        if t == 1.0:
-            return self
+    def scaled(self, temperature: float | torch.Tensor) -> Prediction:
+        """The predictive of the logits divided by ``temperature`` (a float, or a tensor
+        to differentiate through)."""
+        t = temperature
+        if not isinstance(t, torch.Tensor):
+            t = float(t)
+            if t == 1.0:
+                return self
         if not self.is_gaussian:
             return Prediction(self.member_logits_ / t)
         t2 = t * t

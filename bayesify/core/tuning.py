@@ -50,8 +50,14 @@ def validation_nll(bnn: BayesianModel, batches: list[Any]) -> torch.Tensor:
 
 
 def choose(grid: list[float], per_value: list[torch.Tensor], *, rule: str,
-           prefer: str) -> int:
-    """Index of the chosen grid value (see the module docstring)."""
+           prefer: str, paired: bool = False, ceiling: float | None = None) -> int:
+    """Index of the chosen grid value (see the module docstring).
+
+    ``paired``: the standard error of value v is that of the per-example differences
+    ``nll(v) − nll(v*)`` (the same examples scored twice), which stays informative when
+    the best value's own per-example NLL is ~0 (a perfectly classified split);
+    ``ceiling``: values whose mean NLL exceeds it are never chosen.
+    """
     means = torch.stack([v.mean() for v in per_value])
     if not torch.isfinite(means).any():
         raise BayesifyError("every value of the validation grid gave a non-finite NLL")
@@ -61,9 +67,16 @@ def choose(grid: list[float], per_value: list[torch.Tensor], *, rule: str,
         return best
     if rule != "one_se":
         raise BayesifyError(f"unknown validation rule {rule!r}; use 'min' or 'one_se'")
-    se = per_value[best].std() / math.sqrt(max(per_value[best].numel(), 1))
-    within = torch.nonzero(means <= means[best] + torch.nan_to_num(se, nan=0.0)).flatten()
-    order = sorted(within.tolist(), key=lambda i: grid[i])
+    n = math.sqrt(max(per_value[best].numel(), 1))
+    if paired:
+        se = torch.stack([(v - per_value[best]).std() / n for v in per_value])
+    else:
+        se = (per_value[best].std() / n).expand_as(means)
+    within = means <= means[best] + torch.nan_to_num(se, nan=0.0)
+    if ceiling is not None:
+        within &= means <= ceiling
+        within[best] = True
+    order = sorted(torch.nonzero(within).flatten().tolist(), key=lambda i: grid[i])
     return order[-1] if prefer == "largest" else order[0]
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ import torch
 
 from bayesify import metrics
 from bayesify.core.checks import check_finite_logits, check_labels
+from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ _LOG_T_GRID = torch.linspace(-math.log(20.0), math.log(20.0), 13)
 #: T is kept in this range: on a small validation set the mixture NLL can keep falling
 #: as T → 0 (the members' hard votes become the probabilities), which overfits
 T_BOUNDS = (1e-2, 1e2)
+#: the temperature grid of the one-SE choice
+_GRID_RANGE = (0.05, 20.0)
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,17 @@ class CalibrationResult:
     ece_after: float
     n: int
     plot: str | None = None
+    #: "one_se" or "min" (see choose_temperature)
+    rule: str = "one_se"
+    #: the temperature grid and its validation NLL (one_se rule)
+    curve: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _collect(predictor: BasePredictor, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``predictor.collect`` with an empty loader turned into a clear error."""
+def _collect(predictor: BasePredictor, loader: Iterable) -> tuple[Prediction, torch.Tensor | None]:
+    """``predictor.collect_predictions`` with an empty loader turned into a clear error."""
     try:
         if len(loader) == 0:  # type: ignore[arg-type]
             raise BayesifyError("calibrate: the validation loader is empty (len 0); pass a "
@@ -65,12 +72,17 @@ def _collect(predictor: BasePredictor, loader: Iterable) -> tuple[torch.Tensor, 
     except TypeError:  # an unsized iterable: found out below
         pass
     try:
-        return predictor.collect(loader)
-    except (RuntimeError, ValueError) as err:  # torch.cat([]) on an empty loader
-        if "non-empty" in str(err):
+        return predictor.collect_predictions(loader)
+    except BayesifyError as err:
+        if "no batches" in str(err):
             raise BayesifyError("calibrate: the validation loader produced no batches; pass a "
                                 "loader with at least one labelled batch") from err
         raise
+
+
+def _nll(prediction: Prediction, labels: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+    """``[N]`` NLL of the predictive at temperature ``t`` (differentiable in a tensor t)."""
+    return prediction.scaled(t).nll(labels)
 
 
 def mixture_nll(member_logits: torch.Tensor, labels: torch.Tensor, log_t: torch.Tensor) -> torch.Tensor:
@@ -86,22 +98,25 @@ def mixture_nll(member_logits: torch.Tensor, labels: torch.Tensor, log_t: torch.
     return -log_py.mean()
 
 
-def fit_temperature(member_logits: torch.Tensor, labels: torch.Tensor, *,
+def fit_temperature(member_logits: torch.Tensor | Prediction, labels: torch.Tensor, *,
                     max_iter: int = 100) -> float:
-    """argmin_T of :func:`mixture_nll` (LBFGS on log T from the best grid point).
+    """argmin_T of the validation NLL (LBFGS on log T from the best grid point).
 
-    ``member_logits [M, N, C]`` must be finite and ``labels [N]`` class indices
-    in ``[0, C)`` with ``N > 0`` (:class:`BayesifyError` otherwise).
+    ``member_logits [M, N, C]`` (the mixture NLL, :func:`mixture_nll`) or a raw
+    :class:`Prediction` (members or a Gaussian over the logits: T divides the logits)
+    must be finite, and ``labels [N]`` class indices in ``[0, C)`` with ``N > 0``
+    (:class:`BayesifyError` otherwise).
     """
-    if member_logits.dim() != 3 or member_logits.shape[1] == 0:
-        raise BayesifyError(f"fit_temperature needs member logits [M, N, C] with N > 0, got "
-                            f"shape {tuple(member_logits.shape)}")
-    check_finite_logits(member_logits, where="fit_temperature")
-    labels = check_labels(labels.detach(), member_logits.shape[-1], where="fit_temperature")
-    logits = member_logits.detach().float()
+    prediction = _as_prediction(member_logits, "fit_temperature")
+    logits = prediction.member_logits if not prediction.is_gaussian else prediction.mean
+    labels = check_labels(labels.detach(), logits.shape[-1], where="fit_temperature")
     labels = labels.to(logits.device)
+
+    def nll(log_t: torch.Tensor) -> torch.Tensor:
+        return _nll(prediction, labels, log_t.exp()).mean()
+
     with torch.no_grad():
-        grid = torch.stack([mixture_nll(logits, labels, t) for t in _LOG_T_GRID])
+        grid = torch.stack([nll(t) for t in _LOG_T_GRID])
     start = _LOG_T_GRID[int(torch.nan_to_num(grid, nan=math.inf).argmin())]
     log_t = start.clone().to(logits.device).requires_grad_(True)
     optimizer = torch.optim.LBFGS([log_t], lr=1.0, max_iter=max_iter,
@@ -109,7 +124,7 @@ def fit_temperature(member_logits: torch.Tensor, labels: torch.Tensor, *,
 
     def closure() -> torch.Tensor:
         optimizer.zero_grad()
-        loss = mixture_nll(logits, labels, log_t)
+        loss = nll(log_t)
         loss.backward()
         return loss
 
@@ -119,15 +134,53 @@ def fit_temperature(member_logits: torch.Tensor, labels: torch.Tensor, *,
         return float(start.exp())
     value = min(max(value, T_BOUNDS[0]), T_BOUNDS[1])
     with torch.no_grad():
-        clamped = mixture_nll(logits, labels, torch.tensor(math.log(value)))
-        at_start = mixture_nll(logits, labels, start)
+        clamped = nll(torch.tensor(math.log(value)))
+        at_start = nll(start)
     return value if clamped <= at_start else float(start.exp())
 
 
-def calibration_stats(member_logits: torch.Tensor, labels: torch.Tensor,
+def _as_prediction(value: torch.Tensor | Prediction, where: str) -> Prediction:
+    prediction = value if isinstance(value, Prediction) else None
+    if prediction is None:
+        if value.dim() != 3 or value.shape[1] == 0:
+            raise BayesifyError(f"{where} needs member logits [M, N, C] with N > 0, got "
+                                f"shape {tuple(value.shape)}")
+        prediction = Prediction(value.detach().float())
+    tensor = prediction.mean if prediction.is_gaussian else prediction.member_logits
+    check_finite_logits(tensor, where=where)
+    if prediction.is_gaussian:
+        check_finite_logits(prediction.variance, where=where)
+    return prediction
+
+
+def choose_temperature(prediction: Prediction, labels: torch.Tensor, *, previous: float,
+                       optimum: float, rule: str = "one_se") -> tuple[float, dict[str, Any]]:
+    """The temperature to use: the NLL optimum (``rule='min'``), or — the default — the
+    softest T whose validation NLL is within one paired standard error of the optimum
+    and not above the NLL at ``previous`` (:func:`bayesify.core.tuning.choose`). On a
+    small or perfectly classified split the optimum runs towards T → 0 (hard votes),
+    which is catastrophic under shift; the rule keeps the softest T the split cannot
+    tell apart from it."""
+    from bayesify.core.tuning import choose
+
+    if rule == "min":
+        return optimum, {}
+    grid = sorted({*torch.logspace(math.log10(_GRID_RANGE[0]), math.log10(_GRID_RANGE[1]), 41,
+                                   dtype=torch.float64).tolist(), optimum, previous})
+    with torch.no_grad():
+        per = [_nll(prediction, labels, t).double() for t in grid]
+    ceiling = float(per[grid.index(previous)].mean())
+    index = choose(grid, per, rule=rule, prefer="largest", paired=True, ceiling=ceiling)
+    return grid[index], {"temperature_grid": grid,
+                         "temperature_val_nll": [float(v.mean()) for v in per]}
+
+
+def calibration_stats(member_logits: torch.Tensor | Prediction, labels: torch.Tensor,
                       temperature: float, n_bins: int = 15) -> tuple[float, float, torch.Tensor, torch.Tensor]:
-    """``(nll, ece, confidence [N], correct [N])`` of the mixture at ``temperature``."""
-    log_probs = metrics.mixture_log_probs(member_logits / temperature)
+    """``(nll, ece, confidence [N], correct [N])`` of the predictive at ``temperature``."""
+    prediction = (member_logits if isinstance(member_logits, Prediction)
+                  else Prediction(member_logits.float()))
+    log_probs = prediction.scaled(temperature).log_probs
     nll = metrics.per_example_nll(log_probs, labels).mean().item()
     conf, pred = log_probs.exp().max(-1)
     correct = (pred == labels).float()
@@ -141,32 +194,42 @@ def calibrate(
     *,
     plot: str | Path | None = None,
     max_iter: int = 100,
+    rule: str = "one_se",
 ) -> CalibrationResult:
     """Fit ``predictor.temperature`` on ``val_loader`` (labels required) and set it.
 
-    ``plot``: path of a PNG reliability diagram before/after. The validation NLL
-    after is ≤ the NLL before (the previous temperature is kept otherwise).
+    ``rule``: ``'one_se'`` (default: the softest temperature within one paired standard
+    error of the NLL optimum, see :func:`choose_temperature`) or ``'min'`` (the
+    optimum). ``plot``: path of a PNG reliability diagram before/after. The
+    validation NLL after is ≤ the NLL before (the previous temperature is kept
+    otherwise). Works on members and on Gaussian predictives (T divides the logits).
     """
     if method not in METHODS:
         raise BayesifyError(f"unknown calibration method {method!r}; available: {METHODS}")
-    logits, labels = _collect(predictor, val_loader)
+    prediction, labels = _collect(predictor, val_loader)
     if labels is None:
         raise BayesifyError("calibrate: the validation loader yields no labels; it must yield "
                             "(x, y) batches (or mappings with 'labels')")
-    if labels.numel() == 0 or logits.shape[1] == 0:
+    rows = prediction.mean.shape[0] if prediction.is_gaussian else prediction.member_logits.shape[1]
+    if labels.numel() == 0 or rows == 0:
         raise BayesifyError("calibrate: the validation loader produced no examples; pass a "
                             "loader with at least one labelled batch")
-    labels = check_labels(labels, logits.shape[-1], where="calibrate")
-    if labels.shape[0] != logits.shape[1]:
-        raise BayesifyError(f"calibrate: {labels.shape[0]} labels for {logits.shape[1]} examples")
-    check_finite_logits(logits, where="calibrate")
+    classes = (prediction.mean if prediction.is_gaussian else prediction.member_logits).shape[-1]
+    labels = check_labels(labels, classes, where="calibrate")
+    if labels.shape[0] != rows:
+        raise BayesifyError(f"calibrate: {labels.shape[0]} labels for {rows} examples")
+    prediction = _as_prediction(prediction, "calibrate")
     previous = float(predictor.temperature)
-    optimum = fit_temperature(logits, labels, max_iter=max_iter)
-    nll_before, ece_before, conf_before, correct_before = calibration_stats(logits, labels, previous)
-    nll_opt = calibration_stats(logits, labels, optimum)[0]
-    kept = not nll_opt < nll_before
-    temperature = previous if kept else optimum
-    nll_after, ece_after, conf_after, correct_after = calibration_stats(logits, labels, temperature)
+    optimum = fit_temperature(prediction, labels, max_iter=max_iter)
+    chosen, curve = choose_temperature(prediction, labels, previous=previous, optimum=optimum,
+                                       rule=rule)
+    nll_before, ece_before, conf_before, correct_before = calibration_stats(prediction, labels,
+                                                                            previous)
+    nll_chosen = calibration_stats(prediction, labels, chosen)[0]
+    kept = not nll_chosen < nll_before
+    temperature = previous if kept else chosen
+    nll_after, ece_after, conf_after, correct_after = calibration_stats(prediction, labels,
+                                                                        temperature)
     predictor.temperature = temperature
     plot_path = None
     if plot is not None:
@@ -177,5 +240,5 @@ def calibrate(
         method=method, temperature=temperature, previous_temperature=previous,
         optimum_temperature=optimum, kept_previous=kept, nll_before=nll_before,
         nll_after=nll_after, ece_before=ece_before, ece_after=ece_after,
-        n=int(labels.numel()), plot=plot_path,
+        n=int(labels.numel()), plot=plot_path, rule=rule, curve=curve,
     )
