@@ -266,3 +266,20 @@ def test_every_family_implements_the_protocols():
         for proto in (protocols.Structure, protocols.BatchLayout, protocols.Variational,
                       protocols.PostHoc):
             assert isinstance(family.__new__(family), proto), (name, proto.__name__)
+
+
+def test_a_fit_that_ends_worse_than_its_start_warns():
+    torch.manual_seed(0)
+    x = torch.randn(200, 4)
+    y = (x[:, 0] > 0).long()
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    for _ in range(200):  # a "pretrained" network: near-perfect on this split
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    data = DataLoader(TensorDataset(x, y), batch_size=50)
+    bnn = bayesify(net.eval(), "dropout", p=0.9)  # a posterior far too wide
+    with pytest.warns(UserWarning, match="fit of 'dropout' ended with validation"):
+        result = fit(bnn, data, val_loader=data, progress=False)
+    assert result.history[0]["start_val_accuracy"] > result.history[-1]["val_accuracy"] + 0.01

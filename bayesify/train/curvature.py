@@ -87,9 +87,13 @@ def fit_curvature(
                                     batch_fn=batch_fn))
     if val_loader is not None:
         from bayesify.train.evaluate import evaluate_sharded
+        from bayesify.train.loop import _starting_metrics, _warn_if_worse
 
         metrics = evaluate_sharded(bnn, val_loader, ctx, batch_fn=batch_fn)
         record.update({f"val_{k}": v for k, v in metrics.items() if isinstance(v, float)})
+        start_metrics = _starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=False)
+        record.update({f"start_val_{k}": v for k, v in start_metrics.items()})
+        _warn_if_worse(method.name, start_metrics, record)
     record["seconds"] = time.perf_counter() - start
     state.history.append(record)
     state.epoch = 1

@@ -45,7 +45,8 @@ def shard_loader(loader: Iterable, ctx: DistContext) -> Iterable:
 @torch.no_grad()
 def per_example_stats(predictor: Any, loader: Iterable, *, device: torch.device,
                       amp: bool = False, channels_last: bool = False,
-                      batch_fn: Any = None, labels: bool = True) -> dict[str, Any]:
+                      batch_fn: Any = None, labels: bool = True,
+                      allow_empty: bool = False) -> dict[str, Any]:
     """``{field: [n]}`` CPU tensors over ``loader``, plus ``members`` and ``num_classes``.
 
     The one per-example statistics function (predictor evaluation, validation in
@@ -72,7 +73,7 @@ def per_example_stats(predictor: Any, loader: Iterable, *, device: torch.device,
         keep["entropy"].append(pred.entropy.float().cpu())
         keep["aleatoric"].append(pred.aleatoric.float().cpu())
         keep["epistemic"].append(pred.epistemic.float().cpu())
-    if not keep["entropy"]:
+    if not keep["entropy"] and not allow_empty:
         raise BayesifyError("the evaluation loader produced no batches")
     out: dict[str, Any] = {k: torch.cat(v) if v else torch.empty(0) for k, v in keep.items()}
     out["members"] = members
@@ -101,7 +102,7 @@ def summarize(stats: dict[str, Any], *, n_bins: int = 15) -> dict[str, Any]:
 
 
 def evaluate_sharded(
-    bnn: BayesianModel,
+    bnn: BayesianModel | Any,
     loader: Iterable,
     ctx: DistContext | None = None,
     *,
@@ -114,12 +115,16 @@ def evaluate_sharded(
     """Accuracy, error, NLL, ECE (``n_bins`` bins), Brier, entropy, aleatoric, epistemic.
 
     Identical on every rank; equal to ``bnn.predictor(n).evaluate(loader)`` up to
-    float summation order.
+    float summation order. ``bnn`` may also be any predictor (e.g. a ``ModelPredictor``
+    of the starting network).
     """
-    ctx = ctx or DistContext(device=bnn.device)
-    predictor = bnn.predictor(samples_per_component)
-    stats = per_example_stats(predictor, shard_loader(loader, ctx), device=bnn.device,
-                              amp=amp, channels_last=channels_last, batch_fn=batch_fn)
+    from bayesify.core.model import BayesianModel
+
+    predictor = bnn.predictor(samples_per_component) if isinstance(bnn, BayesianModel) else bnn
+    ctx = ctx or DistContext(device=predictor.device)
+    stats = per_example_stats(predictor, shard_loader(loader, ctx), device=predictor.device,
+                              amp=amp, channels_last=channels_last, batch_fn=batch_fn,
+                              allow_empty=ctx.distributed)
     shards = all_gather_objects(stats, ctx)
     full: dict[str, Any] = {k: torch.cat([sh[k] for sh in shards]) for k in _FIELDS}
     full["members"] = max(int(sh["members"]) for sh in shards)

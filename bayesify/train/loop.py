@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,6 +226,8 @@ def fit(
             ckpt.restore(state, payload, run, path=payload["path"])
         else:
             method.begin_fit(bnn, steps_per_epoch=state.steps_per_epoch, epochs=epochs)
+        start = (_starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=state.amp)
+                 if val_loader is not None and payload is None else None)
         state.forward = TrainForward(bnn, noise)
         if ctx.distributed:
             state.ddp = _wrap_ddp(state.forward, ctx, sync_buffers=bnn.bn_train,
@@ -260,7 +263,40 @@ def fit(
             for hook in hooks:
                 hook.on_epoch_end(state, record)
         bnn.eval()
+        if start is not None and state.history:
+            state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
+            _warn_if_worse(method.name, start, state.history[-1])
         return result
+
+
+def _starting_metrics(bnn: BayesianModel, val_loader: Iterable, ctx: DistContext, *,
+                      batch_fn: BatchFn | None, amp: bool) -> dict[str, float]:
+    """Validation accuracy and NLL of the network the fit starts from (the base)."""
+    from bayesify.predict.predictor import ModelPredictor
+    from bayesify.train.evaluate import evaluate_sharded
+
+    base = ModelPredictor(bnn.unwrap().eval())
+    base.batch_fn = batch_fn
+    metrics = evaluate_sharded(base, val_loader, ctx, amp=amp, batch_fn=batch_fn)
+    return {k: metrics[k] for k in ("accuracy", "nll") if k in metrics}
+
+
+def _warn_if_worse(family: str, start: dict[str, float], last: dict[str, Any]) -> None:
+    """A fit that ends clearly worse than its starting network says so (and what to try)."""
+    acc, nll = last.get("val_accuracy"), last.get("val_nll")
+    if acc is None or nll is None or "accuracy" not in start:
+        return
+    worse = []
+    if acc < start["accuracy"] - 0.01:
+        worse.append(f"accuracy {acc:.4f} < {start['accuracy']:.4f}")
+    if nll > start["nll"] * 1.1 + 1e-3:
+        worse.append(f"NLL {nll:.4f} > {start['nll']:.4f}")
+    if worse:
+        warnings.warn(
+            f"fit of {family!r} ended with validation {' and '.join(worse)} of the starting "
+            "network; try a lower lr, fewer epochs, or a smaller initial posterior spread "
+            "(see `bayesify methods " + family + "`)", stacklevel=3,
+        )
 
 
 class _Log:
