@@ -14,7 +14,6 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import metrics
-from bayesify.core.batch import iter_batches
 from bayesify.evaluation.corruptions import corrupted_loader
 from bayesify.predict.predictor import BasePredictor
 
@@ -23,27 +22,18 @@ STAT_KEYS = ("probs", "log_probs", "entropy", "aleatoric", "epistemic", "nll", "
 
 def predictive_statistics(predictor: BasePredictor, loader: Iterable,
                           batch_fn: Any = None) -> dict[str, torch.Tensor]:
-    """Per-example statistics over a loader, on CPU.
+    """Per-example statistics over a loader, on CPU (:func:`bayesify.train.evaluate.per_example_stats`).
 
     Returns ``probs``/``log_probs [N, C]`` (mixture mean), ``entropy``, ``aleatoric``
     (E_m H(p_m)), ``epistemic`` (MI) ``[N]`` and, when the loader has labels
     ``≥ 0``, ``labels [N]`` and ``nll [N]`` = −log p̄(y|x).
     """
-    keep: dict[str, list[torch.Tensor]] = {k: [] for k in STAT_KEYS}
-    for batch in iter_batches(loader, device=predictor.device,
-                              batch_fn=batch_fn or getattr(predictor, "batch_fn", None)):
-        y = batch.labels
-        pred = predictor(batch.inputs_only())
-        keep["probs"].append(pred.probs.cpu())
-        keep["log_probs"].append(pred.log_probs.cpu())
-        keep["entropy"].append(pred.entropy.cpu())
-        keep["aleatoric"].append(pred.aleatoric.cpu())
-        keep["epistemic"].append(pred.epistemic.cpu())
-        if y is not None and bool((y >= 0).all()):
-            y = y.cpu().long()
-            keep["labels"].append(y)
-            keep["nll"].append(metrics.per_example_nll(pred.log_probs.cpu(), y))
-    return {k: torch.cat(v) for k, v in keep.items() if v}
+    from bayesify.train.evaluate import per_example_stats
+
+    stats = per_example_stats(predictor, loader, device=predictor.device, labels="if_valid",
+                              keep_probs=True,
+                              batch_fn=batch_fn or getattr(predictor, "batch_fn", None))
+    return {k: stats[k] for k in STAT_KEYS if stats[k].numel()}
 
 
 def summarize(stats: dict[str, torch.Tensor], *, n_bins: int = 15) -> dict[str, float]:

@@ -45,15 +45,19 @@ def shard_loader(loader: Iterable, ctx: DistContext) -> Iterable:
 @torch.no_grad()
 def per_example_stats(predictor: Any, loader: Iterable, *, device: torch.device,
                       amp: bool = False, channels_last: bool = False,
-                      batch_fn: Any = None, labels: bool = True,
-                      allow_empty: bool = False) -> dict[str, Any]:
+                      batch_fn: Any = None, labels: bool | str = True,
+                      allow_empty: bool = False, keep_probs: bool = False) -> dict[str, Any]:
     """``{field: [n]}`` CPU tensors over ``loader``, plus ``members`` and ``num_classes``.
 
     The one per-example statistics function (predictor evaluation, validation in
-    ``fit``, the CLI): NLL, confidence, correctness and Brier need labels (when
-    ``labels``); entropy, aleatoric and epistemic do not.
+    ``fit``, the CLI, ``evaluation.report``): NLL, confidence, correctness and Brier
+    need labels (``labels=True``; ``"if_valid"``: only for batches whose labels are all
+    ``>= 0``, negative labels marking out-of-distribution data); entropy, aleatoric and
+    epistemic do not. ``keep_probs`` also keeps ``probs``/``log_probs [n, C]`` and
+    ``labels [n]``.
     """
-    keep: dict[str, list[torch.Tensor]] = {k: [] for k in _FIELDS}
+    keep: dict[str, list[torch.Tensor]] = {k: [] for k in (*_FIELDS, "probs", "log_probs",
+                                                            "labels")}
     members, classes = 0, 0
     autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if amp
                 else contextlib.nullcontext())
@@ -61,15 +65,23 @@ def per_example_stats(predictor: Any, loader: Iterable, *, device: torch.device,
         with autocast:
             pred = predictor(batch.inputs_only())
         members = pred.num_members
-        probs = pred.probs.float()
+        probs, log_probs = pred.probs.float(), pred.log_probs.float()
         classes = probs.shape[-1]
-        if labels:
+        y = batch.labels
+        use_labels = labels is True or (labels == "if_valid" and y is not None
+                                        and bool((y >= 0).all()))
+        if use_labels:
             y = check_labels(batch.require_labels("evaluation"), classes, where="evaluation")
             conf, label = probs.max(-1)
-            keep["nll"].append(metrics.per_example_nll(pred.log_probs.float(), y).cpu())
+            keep["nll"].append(metrics.per_example_nll(log_probs, y).cpu())
             keep["confidence"].append(conf.cpu())
             keep["correct"].append((label == y).float().cpu())
             keep["brier"].append(metrics.per_example_brier(probs, y).cpu())
+            if keep_probs:
+                keep["labels"].append(y.cpu())
+        if keep_probs:
+            keep["probs"].append(probs.cpu())
+            keep["log_probs"].append(log_probs.cpu())
         keep["entropy"].append(pred.entropy.float().cpu())
         keep["aleatoric"].append(pred.aleatoric.float().cpu())
         keep["epistemic"].append(pred.epistemic.float().cpu())
