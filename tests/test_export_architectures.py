@@ -11,6 +11,7 @@ The default run covers every family and every architecture on a diagonal (CI bud
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import warnings
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from bayesify import BayesifyError, bayesify, fit, list_methods
+from bayesify import BayesifyError, bayesify, fit, list_methods, load_posterior
 from bayesify.predict.export import build_exported_predictor, random_ops, run_exported
 
 ATOL = 1e-4
@@ -149,18 +150,30 @@ def reference(predictor, inputs) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize(("arch", "family", "formats"), _cases(),
                          ids=[f"{a}-{f}-{'+'.join(fm)}" for a, f, fm in _cases()])
 def test_export_round_trip(arch, family, formats, tmp_path):
+    """The user's whole path on each architecture: wrap, fit (defaults; the 8 examples
+    stand in for a sample of 1000), calibrate, export + reload at another batch size
+    (and length), save/load onto the original base, unwrap equal to the original."""
     model, train, example, probe, labels = build(arch)
+    original = copy.deepcopy(model)
     bnn = bayesify(model, family, **OPTIONS.get(family, {}))
-    if family in POST_HOC:
-        if isinstance(example, dict):  # Hugging Face style batches: mappings with 'labels'
-            rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": y}
-                    for i, y in zip(train, labels)]
-            loader = DataLoader(rows, batch_size=4)
-        else:
-            loader = DataLoader(TensorDataset(train, labels), batch_size=4)
-        fit(bnn, loader, progress=False, **({"epochs": 2} if family == "swag" else {}))
+    if isinstance(example, dict):  # Hugging Face style batches: mappings with 'labels'
+        rows = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": y}
+                for i, y in zip(train, labels)]
+        loader = DataLoader(rows, batch_size=4)
+    else:
+        loader = DataLoader(TensorDataset(train, labels), batch_size=4)
+    if family == "laplace":
+        fit(bnn, loader, progress=False)
+    else:
+        fit(bnn, loader, progress=False, n_train=1000, epochs=2 if family == "swag" else 1)
     predictor = bnn.predictor(samples_per_component=2)
+    predictor.calibrate(loader)
     predictor.temperature = 1.3
+    bnn.save_posterior(tmp_path / "posterior")
+    again = load_posterior(copy.deepcopy(original), tmp_path / "posterior")
+    assert again.predictor().temperature == 1.3
+    unwrapped = bnn.unwrap().state_dict()
+    assert all(torch.equal(unwrapped[k], v) for k, v in original.state_dict().items())
     fixed_length = arch == "minilm" and family in PER_TOKEN_NOISE
     if fixed_length:  # same length as the example, another batch size
         probe = _tokens((1000, 3000), 5, 6, padded=True)
@@ -184,6 +197,8 @@ def test_export_round_trip(arch, family, formats, tmp_path):
         assert probs.shape == (5, 3) and epistemic.shape == (5,)
         torch.testing.assert_close(probs, expected[0], atol=ATOL, rtol=0)
         torch.testing.assert_close(epistemic, expected[1], atol=ATOL, rtol=0)
+    reloaded = reference(again.predictor(samples_per_component=2), probe)
+    torch.testing.assert_close(reloaded[0], expected[0], atol=1e-6, rtol=0)
 
 
 def test_exported_masks_matter_and_programs_take_named_inputs(tmp_path):
