@@ -269,18 +269,28 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.resume != "none":
         resume = args.resume
     resume = broadcast_object(resume, ctx)  # rank 0 decides: ranks may not share a disk
+    training = {
+        "epochs": args.epochs, "lr": args.lr, "lr_schedule": args.lr_schedule, "base_lr": args.base_lr,
+        "base_lr_schedule": args.base_lr_schedule, "beta": args.beta,
+        "kl_anneal_epochs": args.kl_anneal_epochs, "optimizer": args.optimizer,
+        "momentum": args.momentum, "weight_decay": args.weight_decay,
+        "base_weight_decay": args.base_weight_decay, "grad_accum_steps": args.grad_accum_steps,
+        "clip_grad_norm": args.clip_grad_norm, "amp": amp, "channels_last": channels_last,
+        "compile": args.compile, "checkpoint_every_steps": args.checkpoint_every_steps}
+    # flags a family cannot honour (Laplace's one curvature pass takes no lr, momentum,
+    # ...) are dropped when left at their defaults, and refused by fit when set
+    for key in bnn.method.unsupported_fit_options:
+        flag = {"amp": "amp", "channels_last": "channels_last"}.get(key, key)
+        if key in training and (getattr(args, flag, None) == parser.get_default(flag)
+                                or key in ("amp", "channels_last")
+                                and getattr(args, flag, None) is None):
+            training.pop(key)
     result = fit(
-        bnn, train_loader, epochs=args.epochs, lr=args.lr, lr_schedule=args.lr_schedule,
-        base_lr=args.base_lr, base_lr_schedule=args.base_lr_schedule, beta=args.beta,
-        kl_anneal_epochs=args.kl_anneal_epochs, optimizer=args.optimizer,
-        momentum=args.momentum, weight_decay=args.weight_decay,
-        base_weight_decay=args.base_weight_decay, grad_accum_steps=args.grad_accum_steps,
-        clip_grad_norm=args.clip_grad_norm, seed=args.seed, device=ctx.device, amp=amp,
-        channels_last=channels_last, compile=args.compile, val_loader=val_loader,
-        val_every=args.val_every, val_samples_per_component=args.val_samples, log_dir=out,
-        checkpoint_dir=out / "checkpoints", checkpoint_every_steps=args.checkpoint_every_steps,
-        keep_checkpoints=args.keep_checkpoints, resume=resume,
-        progress=not args.no_progress and ctx.is_main,
+        bnn, train_loader, **training, seed=args.seed, device=ctx.device,
+        val_loader=val_loader, val_every=args.val_every,
+        val_samples_per_component=args.val_samples, log_dir=out,
+        checkpoint_dir=out / "checkpoints", keep_checkpoints=args.keep_checkpoints,
+        resume=resume, progress=not args.no_progress and ctx.is_main,
     )
     final = _final_metrics(bnn, result.history, val_loader, args, ctx, amp, channels_last)
     if ctx.is_main:

@@ -176,7 +176,7 @@ def test_single_process_infers_classes_and_validates_once(tmp_path, monkeypatch)
     real = evaluate_module.evaluate_sharded
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        calls.append(type(args[0]).__name__)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(evaluate_module, "evaluate_sharded", counted)
@@ -189,7 +189,9 @@ def test_single_process_infers_classes_and_validates_once(tmp_path, monkeypatch)
                          "--image-size", "32", "--epochs", "1", "--batch-size", "4",
                          "--components", "2", "--predict-samples", "1", "--out", str(out),
                          "--no-progress", "--device", "cpu"])
-    assert len(calls) == 1  # the last epoch's validation is the final evaluation
+    # the last epoch's validation is the final evaluation; the other call scores the
+    # starting network (fit compares the result with it)
+    assert calls.count("BayesianModel") == 1 and calls.count("ModelPredictor") == 1
     history = json.loads((out / "history.jsonl").read_text())
     images = history["images_per_second"] * history["seconds"]
     assert history["steps"] == 3 and images == pytest.approx(9)  # 9 images, nothing dropped
@@ -197,6 +199,16 @@ def test_single_process_infers_classes_and_validates_once(tmp_path, monkeypatch)
     assert json.loads((out / "posterior" / "run.json").read_text())["classes"] == [
         "class0", "class1", "class2"]
     assert not (out / "posterior.incomplete").exists()
+
+
+def test_script_runs_a_curvature_family_with_the_default_flags(tmp_path):
+    """Laplace takes no lr/momentum/...: flags left at their defaults are not passed."""
+    data = make_image_folder(tmp_path / "data", classes=3, train=3, val=1)
+    final = _script().main(["--model", "torchvision:resnet18", "--data", str(data),
+                            "--image-size", "32", "--batch-size", "4", "--method", "laplace",
+                            "--targets", "last_layer", "--out", str(tmp_path / "out"),
+                            "--no-progress", "--device", "cpu"])
+    assert final["n"] == 3 and final["epistemic"] > 0
 
 
 def test_script_runs_data_parallel_and_writes_outputs(tmp_path):

@@ -155,7 +155,7 @@ def fit(
              "grad_accum_steps": None if grad_accum_steps == 1 else grad_accum_steps,
              "clip_grad_norm": clip_grad_norm, "epochs": None if epochs == 1 else epochs,
              "compile": compile or None, "channels_last": channels_last or None,
-             "checkpoint_every_steps": checkpoint_every_steps or None}
+             "checkpoint_every_steps": checkpoint_every_steps or None, "amp": amp}
     refused = [k for k in method.unsupported_fit_options if given.get(k) is not None]
     if refused:
         raise BayesifyError(

@@ -55,7 +55,7 @@ class LaplaceMethod(Method):
     unsupported_fit_options = ("lr", "base_lr", "kl_anneal_epochs", "beta", "optimizer",
                                "momentum", "weight_decay", "lr_schedule", "grad_accum_steps",
                                "clip_grad_norm", "epochs", "compile", "channels_last",
-                               "checkpoint_every_steps")
+                               "checkpoint_every_steps", "amp")
     wrappers: ClassVar = {nn.Linear: LaplaceLayer, nn.Conv1d: LaplaceLayer,
                           nn.Conv2d: LaplaceLayer, nn.Conv3d: LaplaceLayer}
 

@@ -43,7 +43,7 @@ class SWAGMethod(Method):
     name = "swag"
     config_cls = SWAGConfig
     training = "snapshot"
-    unsupported_fit_options = ("kl_anneal_epochs", "beta")
+    unsupported_fit_options = ("kl_anneal_epochs", "beta", "optimizer")
     wrappers: ClassVar = {
         nn.Linear: SWAGLayer,
         nn.Conv1d: SWAGLayer,
@@ -64,7 +64,7 @@ class SWAGMethod(Method):
         self._vmap_ok = config.vectorize
 
     def unsupported_reason(self) -> str:
-        return "SWAG runs plain SGD (no KL term)"
+        return "SWAG collects the iterates of plain SGD (no KL term, no other optimiser)"
 
     # -- structure and state --------------------------------------------------------
     def extra_wrappers(self, model: nn.Module, context: Any,
