@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import BayesifyError, bayesify, elbo_loss, fit
 from tests.test_registry_state import loader, model
@@ -49,3 +50,34 @@ def test_elbo_loss_terms_and_mapping_batches():
         elbo_loss(bnn, (x, y), n_train=0)
     with pytest.raises(BayesifyError, match="labels"):
         elbo_loss(bnn, x, n_train=10)
+
+
+def test_every_entry_point_takes_mapping_batches():
+    """fit, predictor(**inputs)/predictor(mapping), calibrate, evaluate, acquisition.select
+    and evaluation.report on a loader of HF-style mappings with 'labels'."""
+    from bayesify.acquisition import select
+    from bayesify.evaluation import report
+
+    class Named(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, pixel_values):
+            return self.inner(pixel_values)
+
+    x, y = loader(n=16).dataset.tensors
+    rows = [{"pixel_values": a, "labels": b} for a, b in zip(x, y)]
+    data = DataLoader(rows, batch_size=4)
+    bnn = bayesify(Named(model()), "ibnn")
+    fit(bnn, data, progress=False, n_train=1000)
+    pred = bnn.predictor()
+    assert torch.equal(pred(pixel_values=x[:3]).probs, pred({"pixel_values": x[:3]}).probs)
+    pred.calibrate(data)
+    assert pred.evaluate(data)["n"] == 16
+    assert select(pred, data, k=3).shape == (3,)
+    with pytest.warns(UserWarning, match="only the clean"):
+        table = report({"ibnn": pred}, {"test": data})
+    assert [r["evaluation"] for r in table] == ["clean"]
+    with pytest.raises(BayesifyError, match="batch_fn"):
+        fit(bnn, DataLoader(TensorDataset(x, x, y), batch_size=4), progress=False)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from bayesify import metrics
+from bayesify.core.batch import split_batch
 from bayesify.errors import BayesifyError
 from bayesify.evaluation.adversarial import fgsm_sweep
 from bayesify.evaluation.corruptions import DEFAULT_SWEEPS
@@ -49,6 +51,15 @@ def _row(method: str, evaluation: str, level: float, values: dict[str, Any] | No
     row.update({k: v for k, v in {**(values or {}), **extra}.items() if k in TABLE_KEYS})
     row.update(method=method, evaluation=evaluation, level=float(level))
     return row
+
+
+def _image_batches(loader: Iterable) -> bool:
+    """Whether the loader's inputs are one floating tensor per batch (images)."""
+    for raw in loader:
+        batch = split_batch(raw)
+        return (len(batch.args) == 1 and not batch.kwargs
+                and isinstance(batch.args[0], torch.Tensor) and batch.args[0].is_floating_point())
+    return False
 
 
 def _as_dataset(loader: Iterable) -> TensorDataset:
@@ -86,6 +97,12 @@ def report(
     if not predictors:
         raise BayesifyError("report needs at least one predictor")
     sweeps = DEFAULT_SWEEPS if sweeps is None else sweeps
+    if (sweeps or fgsm_epsilons) and not _image_batches(loaders["test"]):
+        warnings.warn("report: corruption sweeps and FGSM perturb image tensors; the test "
+                      "loader yields other inputs (e.g. token mappings), so only the clean "
+                      "and OOD rows are computed (pass sweeps={}, fgsm_epsilons=None to "
+                      "silence this)", stacklevel=2)
+        sweeps, fgsm_epsilons = {}, None
     test_set = _as_dataset(loaders["test"]) if sweeps else None
     table: list[dict[str, Any]] = []
     curves: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
