@@ -17,6 +17,7 @@ them: guessing which entry is the label silently trains on an attention mask.
 
 from __future__ import annotations
 
+import keyword
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -193,3 +194,32 @@ def iter_batches(loader: Any, *, device: torch.device | str | None = None,
         batch = split_batch(raw, batch_fn)
         yield batch if device is None else batch.to(device, channels_last=channels_last,
                                                     non_blocking=True)
+
+
+def example_batch(example: Any) -> Batch:
+    """The inputs-only :class:`Batch` of an export example (tensor, tuple or mapping)."""
+    if isinstance(example, Batch):
+        batch = example.inputs_only()
+    elif isinstance(example, torch.Tensor):
+        batch = Batch((example,), {}, None)
+    elif isinstance(example, Mapping):
+        batch = as_inputs(example)
+    elif isinstance(example, (tuple, list)):
+        batch = Batch(tuple(example), {}, None)
+    else:
+        raise TypeError(
+            f"export needs an example input: a tensor [B, ...], a tuple of input tensors or a "
+            f"mapping such as {{'input_ids': ..., 'attention_mask': ...}}; got "
+            f"{type(example).__name__}"
+        )
+    if not batch.tensors():
+        raise BayesifyError("the export example holds no tensor input")
+    for key in batch.kwargs:
+        if not (isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)
+                and key != "self"):
+            raise BayesifyError(
+                f"export input name {key!r} is not a valid Python identifier; rename the "
+                "mapping's keys (the exported program takes them as keyword arguments)"
+            )
+    _ = batch.size  # raises when no input has a batch dimension
+    return batch

@@ -216,7 +216,7 @@ class Method:
 
     def predictive(self, bnn: BayesianModel, x: Any, *, samples_per_component: int,
                    max_rows: int, seed: int | None = None, deterministic: bool = False) -> Any:
-        """The raw (temperature 1) :class:`~bayesify.predict.prediction.Prediction` of
+        """The raw (temperature 1) :class:`~bayesify.core.prediction.Prediction` of
         ``x``: member logits by default; a family with a closed-form predictive
         returns a Gaussian over the logits instead."""
         from bayesify.core.prediction import Prediction
@@ -241,7 +241,7 @@ class Method:
         at prediction). Families whose prediction is not "M networks that draw
         noise through the context" override this or raise a ``BayesifyError``.
         """
-        from bayesify.predict.export import frozen_noise_members
+        from bayesify.core.frozen_noise import frozen_noise_members
 
         return frozen_noise_members(
             bnn, samples_per_component=samples_per_component, seed=seed,

@@ -216,7 +216,7 @@ class BayesianModel(nn.Module):
 
     def predictive(self, x: Any, *, samples_per_component: int | None = None,
                    max_rows: int = 4096, seed: int | None = 0) -> Any:
-        """The raw :class:`~bayesify.predict.prediction.Prediction` (members or moments)."""
+        """The raw :class:`~bayesify.core.prediction.Prediction` (members or moments)."""
         n = samples_per_component or self.method.default_samples_per_component()
         return self.method.predictive(
             self, x, samples_per_component=n, max_rows=max_rows, seed=seed,

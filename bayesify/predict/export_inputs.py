@@ -11,48 +11,17 @@ input beside them, e.g. a float attention mask).
 
 from __future__ import annotations
 
-import keyword
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from bayesify.core.batch import Batch, as_inputs
+from bayesify.core.batch import Batch, as_inputs, example_batch  # noqa: F401 - re-exported
 from bayesify.errors import BayesifyError
 
 #: the one positional input of a tensor example keeps the historic name ``x``
 SINGLE_INPUT_NAME = "x"
-
-
-def example_batch(example: Any) -> Batch:
-    """The inputs-only :class:`Batch` of an export example (tensor, tuple or mapping)."""
-    if isinstance(example, Batch):
-        batch = example.inputs_only()
-    elif isinstance(example, torch.Tensor):
-        batch = Batch((example,), {}, None)
-    elif isinstance(example, Mapping):
-        batch = as_inputs(example)
-    elif isinstance(example, (tuple, list)):
-        batch = Batch(tuple(example), {}, None)
-    else:
-        raise TypeError(
-            f"export needs an example input: a tensor [B, ...], a tuple of input tensors or a "
-            f"mapping such as {{'input_ids': ..., 'attention_mask': ...}}; got "
-            f"{type(example).__name__}"
-        )
-    if not batch.tensors():
-        raise BayesifyError("the export example holds no tensor input")
-    for key in batch.kwargs:
-        if not (isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)
-                and key != "self"):
-            raise BayesifyError(
-                f"export input name {key!r} is not a valid Python identifier; rename the "
-                "mapping's keys (the exported program takes them as keyword arguments)"
-            )
-    _ = batch.size  # raises when no input has a batch dimension
-    return batch
 
 
 @dataclass(frozen=True)
