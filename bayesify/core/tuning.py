@@ -90,10 +90,15 @@ def select_on_validation(
     prefer: str = "largest",
     batch_fn: Any = None,
     name: str = "scale",
+    no_worse_than_base: bool = True,
 ) -> dict[str, Any]:
     """Search ``grid`` for the knob by validation NLL; installs and returns the choice.
 
-    Returns ``{name: value, f"{name}_grid": [...], f"{name}_val_nll": [...]}``.
+    ``no_worse_than_base``: values whose validation NLL exceeds the starting network's
+    (the unwrapped base) by more than one standard error are not chosen — the
+    broadest posterior the split can tell neither from the best value nor from the
+    network the user started from (the best grid value is the fallback). Returns ``{name: value, f"{name}_grid": [...],
+    f"{name}_val_nll": [...], "base_val_nll": ...}``.
     """
     values = log_grid(grid) if isinstance(grid, tuple) else list(grid)
     batches = list(iter_batches(val_loader, device=bnn.device, batch_fn=batch_fn))
@@ -103,7 +108,27 @@ def select_on_validation(
     for value in values:
         set_knob(value)
         per_value.append(validation_nll(bnn, batches))
-    index = choose(values, per_value, rule=rule, prefer=prefer)
+    ceiling = None
+    if no_worse_than_base:
+        base = base_validation_nll(bnn, batches)
+        ceiling = float(base.mean() + base.std() / math.sqrt(max(base.numel(), 1)))
+    index = choose(values, per_value, rule=rule, prefer=prefer, ceiling=ceiling)
     set_knob(values[index])
     return {name: values[index], f"{name}_grid": values,
-            f"{name}_val_nll": [float(v.mean()) for v in per_value]}
+            f"{name}_val_nll": [float(v.mean()) for v in per_value], "base_val_nll": ceiling}
+
+
+@torch.no_grad()
+def base_validation_nll(bnn: BayesianModel, batches: list[Any]) -> torch.Tensor:
+    """``[n]`` per-example validation NLL of the starting network (``bnn.unwrap()``)."""
+    import torch.nn.functional as F
+
+    from bayesify.core.method import call_model, logits_of
+
+    base = bnn.unwrap().eval()
+    out = []
+    for batch in batches:
+        labels = batch.require_labels("the validation search")
+        logits = logits_of(call_model(base, batch.model_input())).float()
+        out.append(F.cross_entropy(logits, labels, reduction="none").double().cpu())
+    return torch.cat(out)
