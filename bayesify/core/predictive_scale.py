@@ -99,3 +99,33 @@ def tune_knob(
     logger.info("%s: %s = %.3g chosen on validation NLL (%s)", bnn.method_name, name,
                 record[name], meaning)
     return record
+
+
+class ScaledLogits(nn.Module):
+    """``x → members(x) / T``: the member temperature frozen into an exported module."""
+
+    def __init__(self, members: nn.Module, temperature: float) -> None:
+        super().__init__()
+        self.members = members
+        self.register_buffer("member_temperature", torch.tensor(float(temperature)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.members(x) / self.member_temperature.to(torch.float32)
+
+
+class MemberTemperature:
+    """Mixin of families whose members are deterministic networks (batchensemble,
+    ensemble): their knob is a temperature ``T`` of every member's logits, applied in
+    ``member_logits`` (so the predictor, calibration and evaluation see it) and frozen
+    into ``export_module``. Set ``knob_name``; call :func:`add_knob` in ``prepare``."""
+
+    knob_name: str = "member_temperature"
+
+    def member_logits(self, bnn: BayesianModel, x: Any, **kwargs: Any) -> torch.Tensor:
+        logits = super().member_logits(bnn, x, **kwargs)  # type: ignore[misc]
+        temperature = bnn.state.get_buffer(self.knob_name)
+        return logits / temperature.to(logits.device, torch.float32)
+
+    def export_module(self, bnn: BayesianModel, **kwargs: Any) -> nn.Module:
+        members = super().export_module(bnn, **kwargs)  # type: ignore[misc]
+        return ScaledLogits(members, bnn.state.value(self.knob_name))
