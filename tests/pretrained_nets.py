@@ -107,8 +107,10 @@ class SentenceClassifier(nn.Module):
 
 
 def minilm_classifier(*, layers: int = 1, seed: int = 0, per_class: int = 60,
+                      val_size: int | None = None,
                       batch_size: int = 32) -> tuple[nn.Module, DataLoader, DataLoader]:
-    """MiniLM (first ``layers`` blocks, real weights) + a head trained on a template text set."""
+    """MiniLM (first ``layers`` blocks, real weights) + a head trained on a template text set
+    (``4·per_class`` sentences; the last ``val_size`` — default half — for validation)."""
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -121,7 +123,7 @@ def minilm_classifier(*, layers: int = 1, seed: int = 0, per_class: int = 60,
                                         add_pooling_layer=False)
     encoder.eval()
     examples = text_examples(seed=seed, per_class=per_class)
-    split = len(examples) // 2
+    split = len(examples) - (val_size if val_size is not None else len(examples) // 2)
     loaders = []
     torch.manual_seed(seed)
     model = SentenceClassifier(encoder, len(TOPICS))
