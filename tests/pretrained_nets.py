@@ -129,7 +129,7 @@ def minilm_classifier(*, layers: int = 1, seed: int = 0, per_class: int = 60,
     model = SentenceClassifier(encoder, len(TOPICS))
     datasets = []
     for part in (examples[:split], examples[split:]):
-        enc = tokenizer([t for t, _ in part], padding="max_length", truncation=True, max_length=16,
+        enc = tokenizer([t for t, _ in part], padding="max_length", truncation=True, max_length=14,
                         return_tensors="pt")
         datasets.append(TokenDataset(dict(enc), torch.tensor([y for _, y in part])))
     with torch.no_grad():  # the head is trained on frozen features: "pretrained" = MAP head

