@@ -132,4 +132,9 @@ class MemberTemperature:
 
     def export_module(self, bnn: BayesianModel, **kwargs: Any) -> nn.Module:
         members = super().export_module(bnn, **kwargs)  # type: ignore[misc]
-        return ScaledLogits(members, bnn.state.value(self.knob_name))
+        return with_member_temperature(members, bnn.state.value(self.knob_name))
+
+
+def with_member_temperature(members: nn.Module, temperature: float) -> nn.Module:
+    """``members`` itself at T = 1 (the untuned export is unchanged), else :class:`ScaledLogits`."""
+    return members if temperature == 1.0 else ScaledLogits(members, temperature)

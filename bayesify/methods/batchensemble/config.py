@@ -19,7 +19,7 @@ class BatchEnsembleConfig(MethodConfig):
     )
     init_std: float = option(
         0.1, "Std of the 'normal' init of the fast weights around 1. 0.1 gives members that "
-        "differ by ~10% per channel; the paper's 0.5 (training from scratch) moves a pretrained "
+        "differ by ~10 per cent per channel; the paper's 0.5 (training from scratch) moves a pretrained "
         "net so far that a fine-tune diverges (NaN at step 3–4 at the default LR).")
     sign_prob: float = option(0.5, "P(+1) of the 'random_sign' init.")
     fast_lr_mult: float = option(

@@ -13,7 +13,7 @@ GRANULARITIES = ("element", "channel")
 class DropoutConfig(MethodConfig):
     p: float = option(
         0.05, "Dropout rate before every target layer (kept active at prediction). A pretrained "
-        "network was rarely trained with dropout everywhere: 5% keeps a one-epoch fine-tune "
+        "network was rarely trained with dropout everywhere: 5 per cent keeps a one-epoch fine-tune "
         "within a point of its accuracy; the validation-tuned dropout_rate_scale sets the "
         "predictive rate (0 … 2·p).")
     skip_input_layer: bool = option(

@@ -22,7 +22,7 @@ class EnsembleConfig(MethodConfig):
     )
     init_noise: float = option(
         0.05, "Relative multiplicative jitter of the copied weights, w_k = w·(1 + σ·ε), per "
-        "member: the source of diversity when members start from one pretrained net (5% "
+        "member: the source of diversity when members start from one pretrained net (5 per cent "
         "keeps every member within reach of its accuracy)."
     )
     seed: int = option(0, "Seed of member k's head initialisation and jitter is seed + k.")

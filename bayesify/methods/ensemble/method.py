@@ -33,10 +33,10 @@ from bayesify.core.method import batch_device, batch_rows, call_model, logits_of
 from bayesify.core.predictive_scale import (
     TEMPERATURE_GRID,
     MemberTemperature,
-    ScaledLogits,
     add_knob,
     reset_knob,
     tune_knob,
+    with_member_temperature,
 )
 from bayesify.core.tiled import TiledMethod
 from bayesify.core.walker import find_classifier
@@ -111,7 +111,7 @@ class EnsembleMethod(MemberTemperature, TiledMethod):
         ``bincount().tolist()``, is data-dependent); see :mod:`bayesify.methods.ensemble.export`."""
         members = export_ensemble(bnn, samples_per_component=samples_per_component,
                                   example_input=example_input)
-        return ScaledLogits(members, bnn.state.value(self.knob_name))
+        return with_member_temperature(members, bnn.state.value(self.knob_name))
 
     # -- snapshot ensembles --------------------------------------------------------------
     def training_forward(

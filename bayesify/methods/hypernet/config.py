@@ -40,9 +40,9 @@ class HypernetConfig(WeightPriorConfig):
     )
     init_scale: float = option(
         0.01, "Initial relative spread of the generated weights: std ≈ init_scale·max(|w₀|, "
-        "init_floor) (like meanfield's δ); rank-1 factors ≈ 1 ± init_scale. 1%: at 10% the "
+        "init_floor) (like meanfield's δ); rank-1 factors ≈ 1 ± init_scale. 1 per cent: at 10 per cent the "
         "generated networks (one z per member, shared over pixels) lose ~3 accuracy points "
-        "before any training, at 3% they still raise the NLL; the validation-tuned "
+        "before any training, at 3 per cent they still raise the NLL; the validation-tuned "
         "hypernet_noise_scale widens the predictive up to 5×."
     )
     init_floor: float = option(1e-3, "Floor on |w₀| for the scale of generated perturbations.")

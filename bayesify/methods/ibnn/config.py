@@ -28,12 +28,12 @@ class IBNNConfig(MethodConfig):
     init_mean: float = option(1.0, "Centre of the initial component means (1: the pretrained net).")
     init_mean_std: float = option(
         0.1, "σ0: component means start at N(init_mean, σ0²). 0.1 keeps every component within "
-        "~10% of the pretrained function (the paper's 0.5, meant for training from scratch, "
+        "~10 per cent of the pretrained function (the paper's 0.5, meant for training from scratch, "
         "costs a pretrained net 2–18 accuracy points that a short fine-tune never recovers)."
     )
     init_std: tuple[float, float] = option(
         (0.05, 0.02), "(mean, std): softplus(ρ) starts at |N(mean, std²)| (the paper's values: "
-        "5% multiplicative noise, small next to the prior's 10%)."
+        "5 per cent multiplicative noise, small next to the prior's 10 per cent)."
     )
     learn_std: bool = option(
         True, "Train the noise stds (what makes the posterior Bayesian); False keeps them at "

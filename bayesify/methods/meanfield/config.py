@@ -33,7 +33,7 @@ class MeanFieldConfig(WeightPriorConfig):
     delta: float = option(
         0.05, "δ: initial posterior std softplus(ρ) = δ·max(|w|, init_floor); μ starts at w, "
         "so fine-tuning starts at the pretrained network with spread relative to each weight "
-        "(5%: 10% cost a pretrained digits CNN a point; the tuned meanfield_std_scale widens "
+        "(5 per cent: 10 per cent cost a pretrained digits CNN a point; the tuned meanfield_std_scale widens "
         "it where validation data asks for it)."
     )
     init_floor: float = option(

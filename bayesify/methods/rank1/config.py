@@ -22,7 +22,7 @@ class Rank1Config(MethodConfig):
     )
     sign_prob: float = option(0.5, "P(+1) of the random-sign init (0.5–0.75 in the paper).")
     init_mean_std: float = option(
-        0.1, "Std of the 'normal' init of the means around 1: members differ by ~10% per "
+        0.1, "Std of the 'normal' init of the means around 1: members differ by ~10 per cent per "
         "channel, diverse yet within reach of the pretrained function.")
     init_std: float = option(
         0.03, "Initial posterior std softplus(ρ) of r and s (the paper's 0.03).")
