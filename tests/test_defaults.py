@@ -94,7 +94,7 @@ def test_defaults_hold_on_pretrained_digits_cnn(method, digits_net):
     if knob is not None:  # the choice and its validation curve land in fit's history
         grid = TEMPERATURE_GRID if knob == "member_temperature" else SPREAD_GRID
         assert record[knob] in record[f"{knob}_grid"]
-        assert set(grid) <= set(record[f"{knob}_grid"])
+        assert set(record[f"{knob}_grid"]) <= set(grid) and 1.0 in record[f"{knob}_grid"]
         assert len(record[f"{knob}_val_nll"]) == len(record[f"{knob}_grid"])
 
 

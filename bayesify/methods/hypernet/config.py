@@ -43,7 +43,7 @@ class HypernetConfig(WeightPriorConfig):
         "init_floor) (like meanfield's δ); rank-1 factors ≈ 1 ± init_scale. 1 per cent: at 10 per cent the "
         "generated networks (one z per member, shared over pixels) lose ~3 accuracy points "
         "before any training, at 3 per cent they still raise the NLL; the validation-tuned "
-        "hypernet_noise_scale widens the predictive up to 5×."
+        "hypernet_noise_scale narrows it (0 … 1) where validation data asks for it."
     )
     init_floor: float = option(1e-3, "Floor on |w₀| for the scale of generated perturbations.")
     factor_prior_std: float = option(
