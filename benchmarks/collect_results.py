@@ -18,6 +18,7 @@ ORDER = [
     ("issue6.md", "Mean-field and hypernetwork posteriors (issue 6)"),
     ("issue7.md", "Calibration, export and persistence (issue 7)"),
     ("issue9.md", "Active learning (issue 9)"),
+    ("issue13.md", "Defaults on a pretrained network, every family (issue 13)"),
     ("issue15.md", "One loop and posterior state (issue 15)"),
 ]
 

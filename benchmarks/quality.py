@@ -5,8 +5,10 @@ train/val/test split), classes 5–9 out of distribution; one "pretrained" Digit
 (``train_map``) that every method starts from. Rows:
 
 * ``map`` / ``map+ts`` (temperature by LBFGS on the validation NLL);
-* every registered bayesify family with its ``Method.demo_recipe()`` (the iBNN
-  recipe may be overridden with ``--ibnn-recipe``; the one used is written out);
+* every registered bayesify family with its library defaults and the validation
+  split (``bayesify:NAME``: ``fit(bnn, train, val_loader=val)``, which tunes the
+  family's predictive-scale knob), plus a tuned iBNN row (``--ibnn-recipe``; the
+  recipe used is written out);
 * peers: ``laplace-torch`` (last-layer KFAC, marginal-likelihood prior precision,
   probit GLM predictive), ``bayesian-torch`` (``dnn_to_bnn`` + MOPED, ELBO with the
   KL *summed* / N_train, see ``peers.py``), ``mc-dropout`` and ``deep-ensemble×5``
@@ -133,7 +135,7 @@ def candidates(args: argparse.Namespace) -> dict[str, tuple[str, Callable[..., B
     for name in bayesify.list_methods():
         if args.methods and name not in args.methods:
             continue
-        recipe = copy.deepcopy(bayesify.get_method_class(name).demo_recipe())
+        recipe: dict[str, Any] = {"options": {}, "fit": {"val_loader": "val"}}  # defaults
         rows_for = [(name, recipe)]
         if name == "ibnn" and args.ibnn_recipe:
             rows_for.append(("ibnn-tuned", json.loads(args.ibnn_recipe)))

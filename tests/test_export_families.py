@@ -185,7 +185,8 @@ def test_swa_exports_one_network(small, digits):
 # -- deep ensembles ----------------------------------------------------------------------------
 def test_ensemble_pt2_and_onnx_match_in_process(small, digits, tmp_path):
     net, loaders = small
-    bnn = bayesify(net, "ensemble", components=2, init_noise=0.1, per_member_bn=True)
+    bnn = bayesify(net, "ensemble", components=2, init_noise=0.1, per_member_bn=True,
+                   head_init="random")
     fit(bnn, loaders["train"], epochs=1, progress=False)
     predictor = bnn.predictor(2, temperature=1.2)  # M = K·n = 4, members 2k, 2k+1 equal
     x = digits.val.tensors[0][:3]

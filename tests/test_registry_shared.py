@@ -29,7 +29,7 @@ IDENTITY_OPTIONS: dict[str, dict] = {
     "ibnn": {"init_mean_std": 0.0},
     "rank1": {"init": "ones"},
     "batchensemble": {"init": "ones"},
-    "ensemble": {"head_init": "pretrained"},
+    "ensemble": {"head_init": "pretrained", "init_noise": 0.0},
 }
 #: smaller-than-default options for speed only (never needed for correctness)
 FAST_OPTIONS: dict[str, dict] = {}

@@ -65,10 +65,11 @@ def test_rank1_kl_closed_form_and_sampling() -> None:
     for layer in bnn.bayesian_layers().values():
         for mean, rho in ((layer.r, layer.r_rho), (layer.s, layer.s_rho)):
             total += gaussian_kl(mean, F.softplus(rho) ** 2, 1.0, 0.1).sum()
-    torch.testing.assert_close(bnn.kl(), total)
-    # KL summed over members: doubling K doubles it for ±1 means with the same std
+    # mean over the K = 2 members: the NLL is the mean over the K-tiled batch (issue 13)
+    torch.testing.assert_close(bnn.kl(), total / 2)
+    # KL averaged over members: identical members give the KL of one, whatever K
     ones = bayesify(_net(), "rank1", components=1, init="ones").kl()
-    torch.testing.assert_close(bayesify(_net(), "rank1", components=4, init="ones").kl(), 4 * ones)
+    torch.testing.assert_close(bayesify(_net(), "rank1", components=4, init="ones").kl(), ones)
     # sampled factors have the posterior std around the means
     layer = bnn.model.fc
     with bnn.context.use(torch.zeros(20000, dtype=torch.long)):
@@ -146,7 +147,7 @@ def test_member_batchnorm_routes_rows_and_restores() -> None:
 
 def test_dropout_masks_per_member_and_identity() -> None:
     net = _net()
-    bnn = bayesify(net, "dropout", p=0.3, predict_samples=4).eval()
+    bnn = bayesify(net, "dropout", p=0.3, predict_samples=4, skip_input_layer=False).eval()
     with torch.no_grad(), bnn.deterministic():
         torch.testing.assert_close(bnn(X), net(X))
     a, b = bnn.member_logits(X), bnn.member_logits(X, max_rows=5)
@@ -157,7 +158,8 @@ def test_dropout_masks_per_member_and_identity() -> None:
     dropped = layer.drop(x)
     assert abs((dropped == 0).float().mean().item() - 0.3) < 0.02
     torch.testing.assert_close(dropped.mean(), torch.tensor(1.0), rtol=0, atol=0.02)  # unbiased
-    chan = bayesify(net, "dropout", p=0.5, granularity="channel").model.conv.drop(x)
+    chan = bayesify(net, "dropout", p=0.5, granularity="channel",
+                    skip_input_layer=False).model.conv.drop(x)
     assert torch.equal(chan.amin((2, 3)), chan.amax((2, 3)))  # one mask per channel, shared over pixels
 
 

@@ -1,12 +1,22 @@
 """Weight priors of the weight-space families and their densities / KLs.
 
-Three priors, per weight (Blundell et al. 2015, §3.3):
+Four priors, per weight (Blundell et al. 2015, §3.3, plus a relative one):
 
+* ``relative`` (default): ``p(w) = N(w; w₀, (σ·max(|w₀|, floor))²)``, centred on the
+  pretrained weight w₀ with a std relative to it (σ is a fraction, e.g. 0.1);
 * ``gaussian``:       ``p(w) = N(w; 0, σ²)``
 * ``pretrained``:     ``p(w) = N(w; w₀, σ²)``, centred on the pretrained weight w₀
 * ``scale_mixture``:  ``p(w) = π N(w; 0, σ₁²) + (1 − π) N(w; 0, σ₂²)``
 
-The two Gaussian priors have a closed-form ``KL(q‖p)`` against a Gaussian q;
+Why ``relative`` is the default: fine-tuning sets are small, so KL/N_train weighs
+heavily and the posterior ends near the prior. An absolute prior such as N(0, 1)
+around pretrained weights of size ~0.05 then pulls every weight's std towards 1
+(a KL of 10⁴–10⁷ nats against an NLL below 1) and destroys the network; a prior
+whose spread is relative to the weights it perturbs is safe on any network, and
+with σ equal to the initial relative std (meanfield's δ) the KL starts at the
+mean-only term.
+
+The Gaussian priors have a closed-form ``KL(q‖p)`` against a Gaussian q;
 the mixture has none, so its KL is estimated by one Monte-Carlo sample
 ``log q(w) − log p(w)``, ``w ~ q``.
 """
@@ -21,7 +31,7 @@ import torch
 from bayesify.core.config import MethodConfig, option, require
 
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
-PRIORS = ("gaussian", "pretrained", "scale_mixture")
+PRIORS = ("relative", "gaussian", "pretrained", "scale_mixture")
 
 
 
@@ -32,12 +42,15 @@ def gaussian_log_prob(w: torch.Tensor, mean: torch.Tensor | float, std: torch.Te
 
 
 def gaussian_kl(
-    mu_q: torch.Tensor, std_q: torch.Tensor, mu_p: torch.Tensor | float, std_p: float
+    mu_q: torch.Tensor, std_q: torch.Tensor, mu_p: torch.Tensor | float,
+    std_p: torch.Tensor | float,
 ) -> torch.Tensor:
-    """Elementwise ``KL(N(μq, σq²) ‖ N(μp, σp²)) = log σp/σq + (σq² + (μq−μp)²)/(2σp²) − ½``."""
-    var_p = std_p**2
-    return (math.log(std_p) - torch.log(std_q)
-            + (std_q**2 + (mu_q - mu_p) ** 2) / (2.0 * var_p) - 0.5)
+    """Elementwise ``KL(N(μq, σq²) ‖ N(μp, σp²)) = log σp/σq + (σq² + (μq−μp)²)/(2σp²) − ½``
+    (σp a float or a tensor broadcastable against μq; σq floored at the dtype's tiny)."""
+    std_p_t = torch.as_tensor(std_p, dtype=std_q.dtype, device=std_q.device)
+    std_q = std_q.clamp_min(torch.finfo(std_q.dtype).tiny)
+    return (torch.log(std_p_t) - torch.log(std_q)
+            + (std_q**2 + (mu_q - mu_p) ** 2) / (2.0 * std_p_t**2) - 0.5)
 
 
 def scale_mixture_log_prob(w: torch.Tensor, pi: float, std1: float, std2: float) -> torch.Tensor:
@@ -54,34 +67,42 @@ def scale_mixture_log_prob(w: torch.Tensor, pi: float, std1: float, std2: float)
 class WeightPrior:
     """One of :data:`PRIORS` with its hyper-parameters."""
 
-    kind: str = "gaussian"
-    std: float = 1.0
+    kind: str = "relative"
+    std: float = 0.1
     pi: float = 0.5
     std1: float = 1.0
     std2: float = math.exp(-6)
+    floor: float = 1e-3
 
     @classmethod
     def from_config(cls, config) -> WeightPrior:
         return cls(kind=config.prior, std=config.prior_std, pi=config.mixture_pi,
-                   std1=config.mixture_std1, std2=config.mixture_std2)
+                   std1=config.mixture_std1, std2=config.mixture_std2,
+                   floor=float(getattr(config, "init_floor", 1e-3)))
 
     @property
     def analytic(self) -> bool:
-        return self.kind in ("gaussian", "pretrained")
+        return self.kind in ("relative", "gaussian", "pretrained")
 
     def centre(self, pretrained: torch.Tensor) -> torch.Tensor | float:
-        return pretrained if self.kind == "pretrained" else 0.0
+        return pretrained if self.kind in ("pretrained", "relative") else 0.0
+
+    def scale(self, pretrained: torch.Tensor) -> torch.Tensor | float:
+        """Prior std per weight: ``σ·max(|w₀|, floor)`` for ``relative``, else ``σ``."""
+        if self.kind == "relative":
+            return self.std * pretrained.abs().clamp_min(self.floor)
+        return self.std
 
     def log_prob(self, w: torch.Tensor, pretrained: torch.Tensor) -> torch.Tensor:
         """Elementwise ``log p(w)``; ``pretrained`` is w₀ (same shape as ``w`` or broadcastable)."""
         if self.kind == "scale_mixture":
             return scale_mixture_log_prob(w, self.pi, self.std1, self.std2)
-        return gaussian_log_prob(w, self.centre(pretrained), self.std)
+        return gaussian_log_prob(w, self.centre(pretrained), self.scale(pretrained))
 
     def kl(self, mu: torch.Tensor, std: torch.Tensor, pretrained: torch.Tensor) -> torch.Tensor:
         """``KL(N(μ, σ²) ‖ p)`` summed over all weights (analytic, or 1-sample MC)."""
         if self.analytic:
-            return gaussian_kl(mu, std, self.centre(pretrained), self.std).sum()
+            return gaussian_kl(mu, std, self.centre(pretrained), self.scale(pretrained)).sum()
         w = mu + std * torch.randn_like(mu)
         return (gaussian_log_prob(w, mu, std) - self.log_prob(w, pretrained)).sum()
 
@@ -93,7 +114,7 @@ class WeightPrior:
             wide = torch.rand(shape, device=pretrained.device) < self.pi
             scale = torch.where(wide, self.std1, self.std2).to(pretrained.dtype)
             return eps * scale
-        return self.centre(pretrained) + self.std * eps
+        return self.centre(pretrained) + self.scale(pretrained) * eps
 
 
 @dataclass(frozen=True)
@@ -101,11 +122,16 @@ class WeightPriorConfig(MethodConfig):
     """Prior fields shared by the weight-space families (meanfield, hypernet)."""
 
     prior: str = option(
-        "gaussian",
-        "Weight prior: 'gaussian' N(0, σ²), 'pretrained' N(w₀, σ²) centred on the pretrained "
-        "weights, or 'scale_mixture' π N(0, σ₁²) + (1−π) N(0, σ₂²) per weight.",
+        "relative",
+        "Weight prior: 'relative' N(w₀, (σ·max(|w₀|, floor))²) centred on the pretrained weights "
+        "with a std relative to them (default: safe on any network, since with a small "
+        "fine-tuning set the posterior ends near the prior), 'gaussian' N(0, σ²), 'pretrained' "
+        "N(w₀, σ²), or 'scale_mixture' π N(0, σ₁²) + (1−π) N(0, σ₂²) per weight.",
     )
-    prior_std: float = option(1.0, "σ of the 'gaussian' and 'pretrained' priors.")
+    prior_std: float = option(
+        0.1, "σ of the prior: a fraction of |w₀| for 'relative' (0.1 = the initial relative "
+        "posterior std, so the KL starts at its mean-only term), absolute for 'gaussian' and "
+        "'pretrained'.")
     mixture_pi: float = option(0.5, "π of the scale-mixture prior.")
     mixture_std1: float = option(1.0, "σ₁ (wide component) of the scale-mixture prior.")
     mixture_std2: float = option(math.exp(-6), "σ₂ (narrow component) of the scale-mixture prior.")

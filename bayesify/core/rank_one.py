@@ -25,6 +25,7 @@ from bayesify.core.layers import (
     in_channels,
     out_channels,
 )
+from bayesify.core.predictive_scale import knob_value
 from bayesify.errors import BayesifyError
 
 INIT_CHOICES = ("random_sign", "normal", "ones")
@@ -109,8 +110,9 @@ class RankOneLayer(BayesianLayer):
     def factors(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-row ``r [R, C_in]``, ``s [R, C_out]`` and the component ``[R]`` of each row.
 
-        Stochastic layers draw ``μ + softplus(ρ) ε`` (one ε per row in training, per
-        member at prediction); deterministic mode / batchensemble use the means.
+        Stochastic layers draw ``μ + c·softplus(ρ) ε`` (one ε per row in training, per
+        member at prediction; ``c`` the validation-tuned ``rank1_noise_scale``, 1 in
+        training); deterministic mode / batchensemble use the means.
         """
         comp = self.context.components_for(rows, device)
         r, s = self.r.index_select(0, comp), self.s.index_select(0, comp)
@@ -118,8 +120,9 @@ class RankOneLayer(BayesianLayer):
             c_in = r.shape[1]
             # one draw for both factors: the per-member stream is seeded per layer id
             eps = self.context.draw(self.layer_id, rows, (c_in + s.shape[1],), device)
-            r = r + F.softplus(self.r_rho).index_select(0, comp) * eps[:, :c_in]
-            s = s + F.softplus(self.s_rho).index_select(0, comp) * eps[:, c_in:]
+            scale = knob_value(self)
+            r = r + (F.softplus(self.r_rho) * scale).index_select(0, comp) * eps[:, :c_in]
+            s = s + (F.softplus(self.s_rho) * scale).index_select(0, comp) * eps[:, c_in:]
         return r, s, comp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,14 +140,20 @@ class RankOneLayer(BayesianLayer):
         return torch.addcmul(base_bias.view(shape).to(h.dtype), h, s)
 
     def kl(self) -> torch.Tensor:
-        """Σ over members and channels of KL(N(μ, σ²) ‖ N(prior_mean, prior_std²)) for r and s."""
+        """Mean over the K members of Σ_channels KL(N(μ, σ²) ‖ N(prior_mean, prior_std²)) for r, s.
+
+        The likelihood term is the *mean* NLL over the K-tiled batch, i.e. each member's
+        NLL weighted 1/K; the member's KL must carry the same 1/K (Dusenberry et al. sum
+        both over members). Summing the KL over members instead weighted the prior K
+        times too strongly against the data.
+        """
         if not self.stochastic:
             return torch.zeros((), device=self.r.device)
         total = torch.zeros((), device=self.r.device)
         for mean, rho in ((self.r, self.r_rho), (self.s, self.s_rho)):
             var = F.softplus(rho.float()).pow(2)
             total = total + gaussian_kl(mean.float(), var, self.prior_mean, self.prior_std).sum()
-        return total
+        return total / self.r.shape[0]
 
     def fast_weights(self) -> list[nn.Parameter]:
         """The rank-1 factors (means and stds), as opposed to the biases."""

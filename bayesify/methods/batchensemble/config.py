@@ -10,21 +10,28 @@ from bayesify.core.rank_one import INIT_CHOICES
 
 @dataclass(frozen=True)
 class BatchEnsembleConfig(MethodConfig):
-    components: int = option(4, "K: ensemble members (fast-weight pairs r_k, s_k per layer).")
+    components: int = option(
+        4, "K: ensemble members (fast-weight pairs r_k, s_k per layer); the paper's 4.")
     init: str = option(
-        "normal", "Initial fast weights: 'normal' (N(1, init_std²)), 'random_sign' (±1, "
-        "P(+1) = sign_prob) or 'ones' (r = s = 1: every member is the base network)."
+        "normal", "Initial fast weights: 'normal' (N(1, init_std²): members near the pretrained "
+        "net), 'random_sign' (±1, P(+1) = sign_prob) or 'ones' (r = s = 1: every member is the "
+        "base network, no diversity)."
     )
-    init_std: float = option(0.5, "Std of the 'normal' init of the fast weights around 1.")
+    init_std: float = option(
+        0.1, "Std of the 'normal' init of the fast weights around 1. 0.1 gives members that "
+        "differ by ~10 per cent per channel; the paper's 0.5 (training from scratch) moves a pretrained "
+        "net so far that a fine-tune diverges (NaN at step 3–4 at the default LR).")
     sign_prob: float = option(0.5, "P(+1) of the 'random_sign' init.")
     fast_lr_mult: float = option(
         0.5, "Learning-rate multiplier of the fast weights r, s relative to the other "
-        "posterior tensors (per-member biases, per-member BN); 0.25–0.5 in the paper."
+        "posterior tensors (per-member biases, per-member BN); 0.25–0.5 in the paper: the "
+        "fast weights multiply whole channels, so they need the smaller step."
     )
-    member_bias: bool = option(True, "A bias per member (from the base bias) where the layer has one.")
+    member_bias: bool = option(
+        True, "A bias per member (from the base bias) where the layer has one: cheap diversity.")
     per_member_bn: bool = option(
         False, "One BatchNorm (statistics + γ, β) per member, initialised from the pretrained "
-        "BN; False shares the frozen pretrained BN."
+        "BN; False (default: no extra state) shares the frozen pretrained BN."
     )
 
     def validate(self) -> None:

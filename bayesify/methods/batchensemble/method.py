@@ -8,6 +8,13 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.method import wrapper_table
+from bayesify.core.predictive_scale import (
+    TEMPERATURE_GRID,
+    MemberTemperature,
+    add_knob,
+    reset_knob,
+    tune_knob,
+)
 from bayesify.core.rank_one import RankOneLayer
 from bayesify.core.tiled import TiledMethod
 from bayesify.methods.batchensemble.config import BatchEnsembleConfig
@@ -28,12 +35,28 @@ class BatchEnsembleLayer(RankOneLayer):
         )
 
 
-class BatchEnsembleMethod(TiledMethod):
-    """K deterministic members sharing the base weights; one tiled forward per batch."""
+class BatchEnsembleMethod(MemberTemperature, TiledMethod):
+    """K deterministic members sharing the base weights; one tiled forward per batch.
+
+    Knob: ``member_temperature``, a temperature of every member's logits chosen on
+    validation data (bounded grid) when ``fit`` gets a ``val_loader``.
+    """
 
     name = "batchensemble"
     config_cls = BatchEnsembleConfig
     wrappers: ClassVar = wrapper_table(BatchEnsembleLayer)
+
+    def prepare(self, bnn: BayesianModel) -> None:
+        add_knob(bnn, self.knob_name)
+
+    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
+        reset_knob(bnn, self.knob_name)
+
+    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
+                   batch_fn: Any = None) -> dict[str, Any]:
+        """With ``val_loader``: the members' logit temperature by validation NLL."""
+        return tune_knob(bnn, val_loader, name=self.knob_name, grid=TEMPERATURE_GRID,
+                         batch_fn=batch_fn, meaning="temperature of every member's logits")
 
     def default_samples_per_component(self) -> int:
         return 1  # members are deterministic: more samples would repeat them
@@ -54,13 +77,6 @@ class BatchEnsembleMethod(TiledMethod):
         return groups
 
     def default_lr(self) -> float:
+        # r, s are O(1) multipliers whatever the network; the mean loss over K tiled
+        # copies gives each member 1/K of its gradient, so the step is scaled by K
         return 0.05 * self.components
-
-    @classmethod
-    def demo_recipe(cls) -> dict[str, Any]:
-        return {
-            # paper init N(1, 0.5²) for diversity; short, slow-fast-weight fine-tune
-            "options": {"components": 4, "init": "normal", "init_std": 0.5, "fast_lr_mult": 0.25},
-            "fit": {"epochs": 5, "lr": 0.1},
-            "predictor": {"samples_per_component": 1},
-        }

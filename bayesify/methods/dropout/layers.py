@@ -14,6 +14,7 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
+from bayesify.core.predictive_scale import knob_float
 from bayesify.core.rank_one import forward_without_bias
 from bayesify.methods.dropout.config import DropoutConfig
 
@@ -44,19 +45,25 @@ class DropoutLayer(BayesianLayer):
     def num_nodes(self) -> int:
         return self.channels
 
+    def rate(self) -> float:
+        """The dropout rate in use: ``p`` in training, ``min(p·c, 0.9)`` at prediction with
+        ``c`` the validation-tuned ``dropout_rate_scale`` (0 = no dropout)."""
+        return min(self.p * knob_float(self), 0.9)
+
     def drop(self, x: torch.Tensor) -> torch.Tensor:
         """``x ∘ m / (1 − p)``; masks per row (training) or per member (prediction)."""
-        if self.p == 0.0 or self.context.deterministic:
+        p = self.rate()
+        if p == 0.0 or self.context.deterministic:
             return x
         plan = self.context.plan
-        keep = 1.0 - self.p
+        keep = 1.0 - p
         if self.granularity == "element":
             if plan.member is None and plan.generator is None:
-                return F.dropout(x, self.p, training=True)  # fused per-row masks
+                return F.dropout(x, p, training=True)  # fused per-row masks
             u = self.context.draw(self.layer_id, x.shape[0], tuple(x.shape[1:]), x.device, uniform=True)
-            return x * ((u >= self.p).to(x.dtype) / keep)
+            return x * ((u >= p).to(x.dtype) / keep)
         u = self.context.draw(self.layer_id, x.shape[0], (self.channels,), x.device, uniform=True)
-        mask = (u >= self.p).to(x.dtype) / keep
+        mask = (u >= p).to(x.dtype) / keep
         return x * broadcast_rows(mask, x, self.axis)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

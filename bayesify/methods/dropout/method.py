@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import logging
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from bayesify.core.method import Method, wrapper_table
+from bayesify.core.predictive_scale import SPREAD_GRID, add_knob, reset_knob, tune_knob
 from bayesify.methods.dropout.config import DropoutConfig
 from bayesify.methods.dropout.layers import DropoutLayer
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
+
+logger = logging.getLogger("bayesify")
+KNOB = "dropout_rate_scale"
 
 
 class DropoutMethod(Method):
@@ -14,20 +22,33 @@ class DropoutMethod(Method):
 
     One component; training draws one mask per row (``samples`` repeats per
     example), prediction evaluates ``predict_samples`` fixed masks. Under
-    ``deterministic()`` dropout is off (the weight-scaling approximation).
+    ``deterministic()`` dropout is off (the weight-scaling approximation). Knob:
+    ``dropout_rate_scale``, the multiplier of ``p`` at prediction (0 = the
+    deterministic network), chosen on validation data.
     """
 
     name = "dropout"
     config_cls = DropoutConfig
     wrappers: ClassVar = wrapper_table(DropoutLayer)
 
-    def default_lr(self) -> float:
-        return 0.001  # the variational parameters are the pretrained weights: fine-tuning LR
+    def prepare(self, bnn: BayesianModel) -> None:
+        layers = list(bnn.bayesian_layers().values())
+        if self.config.skip_input_layer and len(layers) > 1:
+            first = bnn.targets[0]
+            bnn.bayesian_layers()[first].p = 0.0
+            logger.info("dropout: no dropout before the input layer %r (skip_input_layer)", first)
+        add_knob(bnn, KNOB, layers=layers)
 
-    @classmethod
-    def demo_recipe(cls) -> dict[str, Any]:
-        return {
-            "options": {"p": 0.1},
-            "fit": {"epochs": 10, "lr": 0.001},
-            "predictor": {"samples_per_component": 16},
-        }
+    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
+        reset_knob(bnn, KNOB)
+
+    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
+                   batch_fn: Any = None) -> dict[str, Any]:
+        """With ``val_loader``: the multiplier of the dropout rate at prediction by
+        validation NLL (shared one-SE search; 0 = the deterministic network)."""
+        return tune_knob(bnn, val_loader, name=KNOB, grid=SPREAD_GRID, batch_fn=batch_fn,
+                         meaning="multiplier of the dropout rate at prediction; 0 = no dropout")
+
+    def default_lr(self) -> float:
+        # the variational parameters are the pretrained weights: a fine-tuning LR
+        return 0.001

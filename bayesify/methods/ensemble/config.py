@@ -11,19 +11,25 @@ HEAD_INITS = ("random", "pretrained")
 
 @dataclass(frozen=True)
 class EnsembleConfig(MethodConfig):
-    components: int = option(4, "M: ensemble members (weight copies of every target layer).")
+    components: int = option(
+        4, "M: ensemble members (weight copies of every target layer); 4 keeps the cost at 4 "
+        "forward passes.")
     head_init: str = option(
-        "random", "'random': every member's classifier is re-initialised with its own seed (the "
-        "source of diversity when all members start from one pretrained net); 'pretrained': "
-        "every member starts as the base network."
+        "pretrained", "'pretrained' (default): every member starts as the base network (plus "
+        "init_noise), so a short fine-tune keeps its accuracy; 'random': every member's "
+        "classifier is re-initialised with its own seed — more diverse, but the heads must be "
+        "retrained (0.28–0.86 accuracy after one epoch on a pretrained digits CNN)."
     )
     init_noise: float = option(
-        0.0, "Relative multiplicative jitter of the copied weights, w_k = w·(1 + σ·ε), per member."
+        0.05, "Relative multiplicative jitter of the copied weights, w_k = w·(1 + σ·ε), per "
+        "member: the source of diversity when members start from one pretrained net (5 per cent "
+        "keeps every member within reach of its accuracy)."
     )
     seed: int = option(0, "Seed of member k's head initialisation and jitter is seed + k.")
     per_member_bn: bool = option(
         False, "One BatchNorm (statistics + γ, β) per member: with targets='all' every "
-        "Conv/Linear/BN is then a separate copy per member."
+        "Conv/Linear/BN is then a separate copy per member (default False: the pretrained "
+        "statistics, estimated on far more data, are shared)."
     )
     snapshot: bool = option(
         False, "Snapshot ensemble (Huang et al. 2017): one run with a cyclic cosine LR over "

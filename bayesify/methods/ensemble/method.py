@@ -21,6 +21,7 @@ member k (the next cycle continues from them in the next slot).
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,6 +30,14 @@ from torch import nn
 
 from bayesify.core.member_bn import MemberBatchNorm
 from bayesify.core.method import batch_device, batch_rows, call_model, logits_of
+from bayesify.core.predictive_scale import (
+    TEMPERATURE_GRID,
+    MemberTemperature,
+    add_knob,
+    reset_knob,
+    tune_knob,
+    with_member_temperature,
+)
 from bayesify.core.tiled import TiledMethod
 from bayesify.core.walker import find_classifier
 from bayesify.errors import BayesifyError
@@ -39,9 +48,15 @@ from bayesify.methods.ensemble.layers import EnsembleLayer
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
+logger = logging.getLogger("bayesify")
 
-class EnsembleMethod(TiledMethod):
-    """M weight copies per target layer, trained tiled (or as snapshots), stacked at prediction."""
+
+class EnsembleMethod(MemberTemperature, TiledMethod):
+    """M weight copies per target layer, trained tiled (or as snapshots), stacked at prediction.
+
+    Knob: ``member_temperature``, a temperature of every member's logits chosen on
+    validation data (bounded grid) when ``fit`` gets a ``val_loader``.
+    """
 
     name = "ensemble"
     config_cls = EnsembleConfig
@@ -66,7 +81,14 @@ class EnsembleMethod(TiledMethod):
         super().prepare(bnn)
         bnn.state.add("snapshot_member", torch.zeros((), dtype=torch.long))
         bnn.state.add("snapshot_cycle", torch.zeros((), dtype=torch.float64))
+        add_knob(bnn, self.knob_name)
         self._state = bnn.state
+        if self.config.head_init == "pretrained" and self.config.init_noise == 0 and \
+                not self.config.snapshot:
+            logger.warning(
+                "ensemble: head_init='pretrained' with init_noise=0 starts %d identical members "
+                "that see identical batches: they stay identical (no spread). Set init_noise > 0 "
+                "or head_init='random'", self.components)
         if self.config.head_init == "random" and not self.config.snapshot:
             head = find_classifier(bnn.model)
             layers = bnn.bayesian_layers()
@@ -80,15 +102,18 @@ class EnsembleMethod(TiledMethod):
         return 1  # members are deterministic networks
 
     def default_lr(self) -> float:
-        # the mean loss over M tiled copies gives each member 1/M of its gradient
-        return 0.01 * self.components
+        # the members are copies of the pretrained weights: a fine-tuning step (1e-3; 1e-2
+        # diverged on a pretrained BN CNN), scaled by M because the mean loss over M
+        # tiled copies gives each member 1/M of its gradient
+        return 0.001 * self.components
 
     def export_module(self, bnn: BayesianModel, *, samples_per_component: int, seed: int,
                       example_input: torch.Tensor) -> nn.Module:
         """``x → [M, B, C]`` from one plain network per member (the in-process routing,
         ``bincount().tolist()``, is data-dependent); see :mod:`bayesify.methods.ensemble.export`."""
-        return export_ensemble(bnn, samples_per_component=samples_per_component,
-                               example_input=example_input)
+        members = export_ensemble(bnn, samples_per_component=samples_per_component,
+                                  example_input=example_input)
+        return with_member_temperature(members, bnn.state.value(self.knob_name))
 
     # -- snapshot ensembles --------------------------------------------------------------
     def training_forward(
@@ -117,6 +142,12 @@ class EnsembleMethod(TiledMethod):
 
     def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
         """Snapshot ensemble: a cosine LR restarted every ``epochs·steps / M`` steps."""
+        reset_knob(bnn, self.knob_name)
+        if self.config.head_init == "random" and not self.config.snapshot and epochs < 5:
+            logger.warning(
+                "ensemble: head_init='random' re-initialised every member's classifier; %d "
+                "epoch(s) may not retrain them to the base network's accuracy (use more epochs "
+                "or head_init='pretrained')", epochs)
         if not self.config.snapshot:
             return
         cycle = epochs * steps_per_epoch / self.components
@@ -144,18 +175,14 @@ class EnsembleMethod(TiledMethod):
         for group, base in zip(state.optimizer.param_groups, state.base_lrs):
             group["lr"] = 0.5 * base * (1 + math.cos(math.pi * min(phase, 1.0)))
 
-    def finish_fit(self, bnn: BayesianModel, **kwargs: Any) -> dict[str, Any]:
-        if not self.config.snapshot:
-            return {}
-        bnn.state.set("snapshot_member", 0)
-        return {"snapshots": self.components}
-
-    @classmethod
-    def demo_recipe(cls) -> dict[str, Any]:
-        return {
-            # random heads + weight jitter + per-member BN for diversity; wd keeps logits tame
-            "options": {"components": 4, "head_init": "random", "init_noise": 0.2,
-                        "per_member_bn": True},
-            "fit": {"epochs": 10, "weight_decay": 0.005},
-            "predictor": {"samples_per_component": 1},
-        }
+    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any = None, val_loader: Any = None,
+                   ctx: Any = None, batch_fn: Any = None) -> dict[str, Any]:
+        """Snapshot ensembles: back to member 0. With ``val_loader``: the members' logit
+        temperature by validation NLL (shared one-SE search, bounded grid)."""
+        record: dict[str, Any] = {}
+        if self.config.snapshot:
+            bnn.state.set("snapshot_member", 0)
+            record["snapshots"] = self.components
+        record.update(tune_knob(bnn, val_loader, name=self.knob_name, grid=TEMPERATURE_GRID,
+                                batch_fn=batch_fn, meaning="temperature of every member's logits"))
+        return record

@@ -24,6 +24,7 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
+from bayesify.core.predictive_scale import knob_value
 from bayesify.core.priors import WeightPrior
 from bayesify.core.weightspace import apply_layer, batched_apply, member_rows
 from bayesify.methods.hypernet.config import HypernetConfig
@@ -122,6 +123,7 @@ class HypernetLayer(BayesianLayer):
         else:
             ids, row_member, num_members = member_rows(self.context, rows, x.device)
             z = self.noise_scale * self.noise.sample(self.context, self.layer_id, ids, num_members, x.device)
+            z = z * knob_value(self)  # validation-tuned hypernet_noise_scale (1 in training)
         gen = self.generate(z)
         if self.mode != "rank1":
             return batched_apply(self.base_layer, x, gen["weight"], gen.get("bias"), row_member)
@@ -145,6 +147,7 @@ class HypernetLayer(BayesianLayer):
         else:
             ids, _, num_members = member_rows(self.context, 1, device)
             z = self.noise_scale * self.noise.sample(self.context, self.layer_id, ids, num_members, device)
+            z = z * knob_value(self)
         gen = self.generate(z)
         bias = gen["bias"][0] if self.has_bias else None
         if self.mode != "rank1":

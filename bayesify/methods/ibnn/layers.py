@@ -15,6 +15,7 @@ from torch import nn
 from bayesify.core.context import SamplingContext
 from bayesify.core.gaussian import gaussian_kl, inverse_softplus
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
+from bayesify.core.predictive_scale import knob_value
 from bayesify.methods.ibnn.config import IBNNConfig
 
 
@@ -48,13 +49,14 @@ class NodeNoiseLayer(BayesianLayer):
         return self.mean.shape[1]
 
     def sample_noise(self, rows: int, device: torch.device) -> torch.Tensor:
-        """``[R, C]`` noise: z = μ_k + σ_k ε for the component k of every row (fp32)."""
+        """``[R, C]`` noise: z = μ_k + c·σ_k ε for the component k of every row (fp32);
+        ``c`` is the validation-tuned ``ibnn_noise_scale`` (1 in training)."""
         comp = self.context.components_for(rows, device)
         mean = self.mean.index_select(0, comp)
         if self.context.deterministic:
             return mean
         eps = self.context.draw(self.layer_id, rows, (mean.shape[1],), device)
-        return mean + self.std.index_select(0, comp) * eps
+        return mean + (self.std * knob_value(self)).index_select(0, comp) * eps
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         z = self.sample_noise(x.shape[0], x.device)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from bayesify.core.method import Method, wrapper_table
+from bayesify.core.predictive_scale import SPREAD_GRID, add_knob, reset_knob, tune_knob
 from bayesify.methods.ibnn.config import IBNNConfig
 from bayesify.methods.ibnn.layers import NodeNoiseLayer
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
+
+KNOB = "ibnn_noise_scale"
 
 
 class IBNNMethod(Method):
@@ -21,18 +27,21 @@ class IBNNMethod(Method):
     config_cls = IBNNConfig
     wrappers: ClassVar = wrapper_table(NodeNoiseLayer, transposed=True)
 
+    def prepare(self, bnn: BayesianModel) -> None:
+        add_knob(bnn, KNOB, layers=bnn.bayesian_layers().values())
+
+    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
+        reset_knob(bnn, KNOB)
+
+    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
+                   batch_fn: Any = None) -> dict[str, Any]:
+        """With ``val_loader``: the multiplier of the learned noise stds (0 = the K
+        component means) by validation NLL (shared one-SE search)."""
+        return tune_knob(bnn, val_loader, name=KNOB, grid=SPREAD_GRID, batch_fn=batch_fn,
+                         meaning="multiplier of the learned node-noise std; 0 = component means")
+
     def default_lr(self) -> float:
         # the paper's variational LR for pretrained ResNet-50 (large, constant, no
-        # weight decay); LRs growing with K diverged for K ≥ 8 on the digits demo
+        # weight decay): the means and ρ are O(1) multipliers whatever the network, so
+        # one step size fits every network
         return 0.2
-
-    @classmethod
-    def demo_recipe(cls) -> dict[str, Any]:
-        return {
-            # a tight prior (s = 0.05) and small initial noise keep the in-distribution
-            # entropy low while the K = 8 component means (σ0 = 0.5) stay diverse
-            "options": {"components": 8, "samples": 1, "init_mean_std": 0.5,
-                        "prior_std": 0.05, "init_std": (0.02, 0.005)},
-            "fit": {"epochs": 10, "kl_anneal_epochs": 3, "lr": 0.2},
-            "predictor": {"samples_per_component": 2},
-        }

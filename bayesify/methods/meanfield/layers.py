@@ -23,6 +23,7 @@ from torch import nn
 from bayesify.core.context import SamplingContext
 from bayesify.core.gaussian import inverse_softplus
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis
+from bayesify.core.predictive_scale import knob_value
 from bayesify.core.priors import WeightPrior
 from bayesify.core.weightspace import (
     apply_layer,
@@ -68,11 +69,13 @@ class MeanFieldLayer(BayesianLayer):
     # -- posterior -------------------------------------------------------------------
     @property
     def weight_std(self) -> torch.Tensor:
-        return F.softplus(self.weight_rho)
+        """σ of the weights: softplus(ρ), times the validation-tuned
+        ``meanfield_std_scale`` at prediction (1 in training and in the KL)."""
+        return F.softplus(self.weight_rho) * knob_value(self)
 
     @property
     def bias_std(self) -> torch.Tensor | None:
-        return None if self.bias_rho is None else F.softplus(self.bias_rho)
+        return None if self.bias_rho is None else F.softplus(self.bias_rho) * knob_value(self)
 
     def _fixed_bias(self) -> torch.Tensor | None:
         """The base bias when it carries no posterior (``bias=False``), else None."""
@@ -94,10 +97,10 @@ class MeanFieldLayer(BayesianLayer):
 
     def kl(self) -> torch.Tensor:
         """``KL(q‖p)`` summed over every weight and bias of the layer (not divided by N)."""
-        total = self.prior.kl(self.weight_mu.float(), self.weight_std.float(),
+        total = self.prior.kl(self.weight_mu.float(), F.softplus(self.weight_rho).float(),
                               self.base_layer.weight.detach().float())
         if self.bias_mu is not None:
-            total = total + self.prior.kl(self.bias_mu.float(), self.bias_std.float(),
+            total = total + self.prior.kl(self.bias_mu.float(), F.softplus(self.bias_rho).float(),
                                           self.base_layer.bias.detach().float())
         return total
 

@@ -10,23 +10,36 @@ from bayesify.core.rank_one import INIT_CHOICES
 
 @dataclass(frozen=True)
 class Rank1Config(MethodConfig):
-    components: int = option(4, "K: ensemble members (rank-1 factor pairs r_k, s_k per layer).")
-    predict_samples: int = option(2, "n: samples per member at prediction (M = K·n).")
+    components: int = option(
+        4, "K: ensemble members (rank-1 factor pairs r_k, s_k per layer); the paper's 4.")
+    predict_samples: int = option(
+        2, "n: samples per member at prediction (M = K·n; the paper's 2 per member).")
     init: str = option(
-        "random_sign",
-        "Initial means of r and s: 'random_sign' (±1, P(+1) = sign_prob), 'normal' "
-        "(N(1, init_mean_std²)) or 'ones' (r = s = 1: the member is the base network).",
+        "normal",
+        "Initial means of r and s: 'normal' (N(1, init_mean_std²): members start near the "
+        "pretrained network), 'random_sign' (±1, P(+1) = sign_prob: the paper's choice for "
+        "training from scratch; it erases a pretrained function) or 'ones' (r = s = 1).",
     )
     sign_prob: float = option(0.5, "P(+1) of the random-sign init (0.5–0.75 in the paper).")
-    init_mean_std: float = option(0.5, "Std of the 'normal' init of the means around 1.")
-    init_std: float = option(0.03, "Initial posterior std softplus(ρ) of r and s.")
-    learn_std: bool = option(True, "Train the posterior stds; False keeps them at init_std.")
-    prior_mean: float = option(1.0, "Mean of the Gaussian prior N(m, s²) on every r and s entry.")
-    prior_std: float = option(0.1, "Std of the prior (0.05 on ImageNet in the paper).")
-    member_bias: bool = option(True, "A bias per member (from the base bias) where the layer has one.")
+    init_mean_std: float = option(
+        0.1, "Std of the 'normal' init of the means around 1: members differ by ~10 per cent per "
+        "channel, diverse yet within reach of the pretrained function.")
+    init_std: float = option(
+        0.03, "Initial posterior std softplus(ρ) of r and s (the paper's 0.03).")
+    learn_std: bool = option(
+        True, "Train the posterior stds (what makes the members Bayesian); False keeps them "
+        "at init_std.")
+    prior_mean: float = option(
+        1.0, "Mean of the Gaussian prior N(m, s²) on every r and s entry: 1 is the pretrained net.")
+    prior_std: float = option(
+        0.1, "Std of the prior (the paper's 0.1; 0.05 on ImageNet). The validation-tuned "
+        "rank1_noise_scale corrects the predictive spread.")
+    member_bias: bool = option(
+        True, "A bias per member (from the base bias) where the layer has one: cheap diversity.")
     per_member_bn: bool = option(
         False, "One BatchNorm (statistics + γ, β) per member, initialised from the pretrained "
-        "BN; False shares the frozen pretrained BN."
+        "BN; False (default: no extra state, statistics the members share were estimated on "
+        "far more data) shares the frozen pretrained BN."
     )
 
     def validate(self) -> None:

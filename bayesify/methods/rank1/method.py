@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.method import wrapper_table
+from bayesify.core.predictive_scale import SPREAD_GRID, add_knob, reset_knob, tune_knob
 from bayesify.core.rank_one import RankOneLayer
 from bayesify.core.tiled import TiledMethod
 from bayesify.methods.rank1.config import Rank1Config
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
+
+KNOB = "rank1_noise_scale"
 
 
 class Rank1Layer(RankOneLayer):
@@ -28,24 +34,29 @@ class Rank1Layer(RankOneLayer):
 class Rank1Method(TiledMethod):
     """K members, each the base net with rank-1 Gaussian multiplicative factors.
 
-    Loss: mean NLL over the K-tiled batch + β·Σ_k KL_k / N_train (the trainer
-    divides by N_train and anneals β). Prediction: K members × n samples.
+    Loss: mean NLL over the K-tiled batch + β·mean_k KL_k / N_train (the trainer
+    divides by N_train and anneals β). Prediction: K members × n samples, the
+    posterior stds multiplied by the validation-tuned ``rank1_noise_scale``.
     """
 
     name = "rank1"
     config_cls = Rank1Config
     wrappers: ClassVar = wrapper_table(Rank1Layer)
 
-    def default_lr(self) -> float:
-        # each member's factors get 1/K of the mean loss's gradient: scale the step by K
-        return 0.05 * self.components
+    def prepare(self, bnn: BayesianModel) -> None:
+        add_knob(bnn, KNOB, layers=bnn.bayesian_layers().values())
 
-    @classmethod
-    def demo_recipe(cls) -> dict[str, Any]:
-        return {
-            # random signs would erase the pretrained function: means start at N(1, 0.25²)
-            "options": {"components": 4, "init": "normal", "init_mean_std": 0.25,
-                        "prior_std": 0.1, "init_std": 0.03},
-            "fit": {"epochs": 15, "kl_anneal_epochs": 5},
-            "predictor": {"samples_per_component": 2},
-        }
+    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
+        reset_knob(bnn, KNOB)
+
+    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
+                   batch_fn: Any = None) -> dict[str, Any]:
+        """With ``val_loader``: the multiplier of the posterior stds of r and s (0 = the K
+        member means) by validation NLL (shared one-SE search)."""
+        return tune_knob(bnn, val_loader, name=KNOB, grid=SPREAD_GRID, batch_fn=batch_fn,
+                         meaning="multiplier of the posterior std of r, s; 0 = member means")
+
+    def default_lr(self) -> float:
+        # r, s and ρ are O(1) multipliers whatever the network; each member's factors get
+        # 1/K of the mean loss's gradient, so the step is scaled by K
+        return 0.05 * self.components
