@@ -132,6 +132,8 @@ def test_sharded_validation_equals_single_process_evaluate(ddp_run):
             p.copy_(saved[f"posterior.{n}"])
         for n, p in bnn.named_base_parameters():
             p.copy_(saved[f"base.{n}"])
+        for n, b in bnn.state.named_buffers():  # the knob tuned on the validation split
+            b.copy_(saved[f"state.{n}"])
     test = DataLoader(load_digits_splits(seed=0).test, batch_size=64)
     ref = bnn.predictor(2).evaluate(test)
     got = info["test_metrics"]

@@ -44,6 +44,8 @@ def make_bnn(base: torch.nn.Module, **options):
 def tensors(bnn) -> dict[str, torch.Tensor]:
     out = {f"posterior.{n}": p.detach().clone() for n, p in bnn.named_posterior_parameters()}
     out.update({f"base.{n}": p.detach().clone() for n, p in bnn.named_base_parameters()})
+    # family state (e.g. the validation-tuned knob): identical on every rank too
+    out.update({f"state.{n}": b.detach().clone() for n, b in bnn.state.named_buffers()})
     return out
 
 
