@@ -55,20 +55,18 @@ def _add_fit_arguments(parser: argparse.ArgumentParser, *, method: str = "ibnn",
                         help="a config field of the family as KEY=VALUE (JSON value), "
                              "repeatable; the same as the family's own flags listed under "
                              "--method NAME --help")
-    parser.add_argument("--recipe", action="store_true",
-                        help="start from the family's digits demo recipe (options, epochs, KL "
-                             "anneal); explicit flags override it")
     parser.add_argument("--epochs", type=int, default=None,
-                        help="posterior fine-tuning epochs (default: 5, or the recipe's)")
+                        help="posterior fine-tuning epochs (default: 5; Laplace makes one pass)")
     parser.add_argument("--lr", type=float, default=None,
                         help="learning rate of the posterior (default: the family's)")
     parser.add_argument("--base-lr", type=float, default=0.0,
                         help="learning rate of the base weights; 0 keeps them frozen (default)")
     parser.add_argument("--kl-anneal-epochs", type=float, default=None,
                         help="anneal the KL weight linearly 0 -> 1 over this many epochs "
-                             "(default: 0 = no annealing, or the recipe's)")
-    parser.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default="sgd",
-                        help="optimiser of the posterior (default: sgd, Nesterov 0.9)")
+                             "(default: 0 = no annealing)")
+    parser.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None,
+                        help="optimiser of the posterior (default: the family's; SGD Nesterov "
+                             "0.9 for most)")
     parser.add_argument("--fit-option", action="append", metavar="KEY=VALUE",
                         help="extra keyword for bayesify.fit / a post-hoc family's fit "
                              "(repeatable, JSON values)")
@@ -95,12 +93,10 @@ def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
     from bayesify.train.loop import fit
 
     cls = get_method_class(args.method)
-    recipe = cls.demo_recipe() if args.recipe else {}
-    options = {**recipe.get("options", {}), **key_values(args.option, "--option"),
+    options = {**key_values(args.option, "--option"),
                **family_options(args, args.method)}
     family = cls(check_family_options(args.method, options))
     fit_kwargs: dict[str, Any] = {} if family.training == "curvature" else {"epochs": 5}
-    fit_kwargs.update(recipe.get("fit", {}))
     for key, value in (("epochs", args.epochs), ("lr", args.lr),
                        ("kl_anneal_epochs", args.kl_anneal_epochs)):
         if value is not None:
@@ -129,9 +125,6 @@ def _run_fit(args: argparse.Namespace) -> int:
     options, fit_kwargs = _fit_plan(args)
     model, bundle, spec = resolve(args)
     loaders = bundle.loaders(batch_size=args.batch_size, seed=args.seed, workers=args.workers)
-    # recipes name loaders by split ("val_loader": "val")
-    fit_kwargs = {k: loaders.get(v, v) if isinstance(v, str) and k.endswith("_loader") else v
-                  for k, v in fit_kwargs.items()}
     if is_main():
         print(f"bayesify: {spec['batches'].describe()}", file=sys.stderr)
     staged = StagedOutput(Path(args.out))
@@ -328,7 +321,7 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--map-epochs", type=int, default=40,
                         help="epochs of plain MAP training of the 'pretrained' CNN (default: 40)")
     parser.add_argument("--epochs", type=int, default=None,
-                        help="posterior fine-tuning epochs (default: each family's demo recipe)")
+                        help="posterior fine-tuning epochs (default: the demo's, 10)")
     parser.add_argument("--no-progress", action="store_true", help="hide tqdm progress bars")
     parser.add_argument("--no-plots", action="store_true",
                         help="skip the reliability diagram and entropy histogram PNGs")

@@ -2,7 +2,7 @@
 
     python benchmarks/issue7.py --out benchmarks/results/issue7.json [--epochs N]
 
-For every registered family: the demo recipe (MAP DigitsCNN on digits 0–4,
+For every registered family: its defaults (MAP DigitsCNN on digits 0–4,
 bayesify, fit), then val NLL / test NLL / test ECE before and after
 ``predictor.calibrate(val)``, and the max |Δ| of an exported ``.pt2`` against the
 in-process predictor (or why the family cannot be exported). Then CPU throughput
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bayesify import bayesify, fit, get_method_class, list_methods
+from bayesify import bayesify, fit, list_methods
 from bayesify.data.digits import digits_loaders, load_digits_splits
 from bayesify.data.models import DigitsCNN, train_map
 from bayesify.errors import BayesifyError
@@ -92,14 +92,12 @@ def main() -> None:
         start = time.perf_counter()
         try:
             torch.manual_seed(0)
-            recipe = get_method_class(name).demo_recipe()
-            fit_kwargs = {k: loaders.get(v, v) if isinstance(v, str) and k.endswith("_loader")
-                          else v for k, v in recipe.get("fit", {}).items()}
-            if args.epochs is not None:
+            bnn = bayesify(copy.deepcopy(base), name)  # the library defaults (no recipes)
+            fit_kwargs: dict = {"val_loader": loaders["val"]}
+            if args.epochs is not None and bnn.method.training != "curvature":
                 fit_kwargs["epochs"] = args.epochs
-            bnn = bayesify(copy.deepcopy(base), name, **recipe.get("options", {}))
             fit(bnn, loaders["train"], progress=False, **fit_kwargs)
-            predictor = bnn.predictor(**recipe.get("predictor", {}))
+            predictor = bnn.predictor()
             row = calibration_row(predictor, loaders)
             row.update(export_check(predictor, x_val, tmp, name))
         except Exception as err:  # noqa: BLE001 - record and go on with the next family

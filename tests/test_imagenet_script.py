@@ -76,7 +76,7 @@ def test_help_is_per_family(capsys):
     ibnn = _help(["--method", "ibnn", "--help"], capsys)
     assert "--components V" in ibnn and "(default: 4)" in ibnn and "--p V" not in ibnn
     swag = _help(["--method", "swag", "--help"], capsys)
-    assert "--swag-lr V" in swag and "--swag-momentum V" in swag and "(default: 0.01)" in swag
+    assert "--swag-lr V" in swag and "--swag-momentum V" in swag and "(default: 0.001)" in swag
 
 
 def test_method_flags_become_typed_config_options():

@@ -118,7 +118,8 @@ class Method:
         return "they do not apply to this family"
 
     def fit_defaults(self) -> dict[str, Any]:
-        """``fit`` options this family sets when the caller leaves them at None."""
+        """``fit`` options this family sets when the caller leaves them at None: ``lr``,
+        ``momentum``, ``weight_decay``, ``lr_schedule``, ``optimizer``, ``clip_grad_norm``."""
         return {}
 
     def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
@@ -260,11 +261,6 @@ class Method:
         """
         posterior = [p for p in bnn.posterior_parameters() if p.requires_grad]
         return [{"params": posterior, "lr": lr, "weight_decay": weight_decay, "name": "posterior"}]
-
-    @classmethod
-    def demo_recipe(cls) -> dict[str, Any]:
-        """Options for the digits demo: ``{"options": {...}, "fit": {...}, "predictor": {...}}``."""
-        return {"options": {}, "fit": {"epochs": 10}}
 
     def default_samples_per_component(self) -> int:
         return int(getattr(self.config, "predict_samples", 1))

@@ -95,9 +95,9 @@ def select_on_validation(
     """Search ``grid`` for the knob by validation NLL; installs and returns the choice.
 
     ``no_worse_than_base``: values whose validation NLL exceeds the starting network's
-    (the unwrapped base) by more than one standard error are not chosen — the
-    broadest posterior the split can tell neither from the best value nor from the
-    network the user started from (the best grid value is the fallback). Returns ``{name: value, f"{name}_grid": [...],
+    (the unwrapped base) are not chosen — the broadest posterior the split cannot tell
+    from the best value, but never a worse clean validation NLL than the network the
+    user started from (the best grid value is the fallback). The defaults' contract. Returns ``{name: value, f"{name}_grid": [...],
     f"{name}_val_nll": [...], "base_val_nll": ...}``.
     """
     values = log_grid(grid) if isinstance(grid, tuple) else list(grid)
@@ -110,8 +110,7 @@ def select_on_validation(
         per_value.append(validation_nll(bnn, batches))
     ceiling = None
     if no_worse_than_base:
-        base = base_validation_nll(bnn, batches)
-        ceiling = float(base.mean() + base.std() / math.sqrt(max(base.numel(), 1)))
+        ceiling = float(base_validation_nll(bnn, batches).mean())
     index = choose(values, per_value, rule=rule, prefer=prefer, ceiling=ceiling)
     set_knob(values[index])
     return {name: values[index], f"{name}_grid": values,

@@ -72,7 +72,7 @@ class FitResult:
 
 
 #: fit options and their defaults (None: the family's default, else the fallback)
-_FALLBACKS = {"momentum": 0.9, "weight_decay": 0.0, "lr_schedule": "constant"}
+_FALLBACKS = {"momentum": 0.9, "weight_decay": 0.0, "lr_schedule": "constant", "optimizer": "sgd"}
 
 
 def fit(
@@ -86,7 +86,7 @@ def fit(
     beta: float = 1.0,
     lr_schedule: Any = None,
     base_lr_schedule: Any = "constant",
-    optimizer: str = "sgd",
+    optimizer: str | None = None,
     momentum: float | None = None,
     weight_decay: float | None = None,
     base_weight_decay: float = 0.0,
@@ -150,7 +150,7 @@ def fit(
         raise BayesifyError(f"unknown fit option(s) {sorted(unknown)} for method "
                             f"{method.name!r}; see help(bayesify.fit)")
     given = {"lr": lr, "base_lr": base_lr or None, "kl_anneal_epochs": kl_anneal_epochs or None,
-             "beta": None if beta == 1.0 else beta, "optimizer": None if optimizer == "sgd" else optimizer,
+             "beta": None if beta == 1.0 else beta, "optimizer": optimizer,
              "momentum": momentum, "weight_decay": weight_decay, "lr_schedule": lr_schedule,
              "grad_accum_steps": None if grad_accum_steps == 1 else grad_accum_steps,
              "clip_grad_norm": clip_grad_norm, "epochs": None if epochs == 1 else epochs,
@@ -171,6 +171,9 @@ def fit(
     momentum = defaults["momentum"] if momentum is None else momentum
     weight_decay = defaults["weight_decay"] if weight_decay is None else weight_decay
     lr_schedule = defaults["lr_schedule"] if lr_schedule is None else lr_schedule
+    optimizer = defaults["optimizer"] if optimizer is None else optimizer
+    if clip_grad_norm is None:
+        clip_grad_norm = defaults.get("clip_grad_norm")
     ctx = setup_distributed(device, bnn.device, timeout_s=timeout_s)
     with naming_unresponsive_ranks(ctx):  # a silent rank is named, not a bare timeout
         if device is not None or ctx.device != bnn.device:

@@ -154,7 +154,7 @@ FIT_OPTION_RULES: dict[str, Callable[[str, Any], None]] = {
     "beta": non_negative,
     "lr_schedule": optional(schedule),
     "base_lr_schedule": schedule,
-    "optimizer": choice("sgd", "adam", "adamw"),
+    "optimizer": optional(choice("sgd", "adam", "adamw")),
     "momentum": optional(fraction),
     "weight_decay": optional(non_negative),
     "base_weight_decay": non_negative,

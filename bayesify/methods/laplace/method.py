@@ -399,15 +399,6 @@ class LaplaceMethod(Method):
         return [f"{lname}.base_layer.{p}" for lname, layer in layers.items()
                 for p, _ in layer.base_layer.named_parameters()]
 
-    @classmethod
-    def demo_recipe(cls) -> dict[str, Any]:
-        # marglik τ on this over-confident MAP gives a near-prior posterior that inflates
-        # in-distribution NLL (~20×); τ by validation NLL with the one-SE rule does not
-        return {"options": {"structure": "kron", "link": "probit", "prior_method": "val_nll",
-                            "val_rule": "one_se"},
-                "fit": {"val_loader": "val"}}
-
-
 class _capturing:
     """Context manager: the layer keeps its input/output during the block, then forgets them."""
 

@@ -291,19 +291,6 @@ class SWAGMethod(Method):
     def _bn_wrappers(bnn: BayesianModel) -> dict[str, SWAGBatchNorm]:
         return {n: m for n, m in bnn.bayesian_layers().items() if isinstance(m, SWAGBatchNorm)}
 
-    @classmethod
-    def demo_recipe(cls) -> dict[str, Any]:
-        return {
-            # SGD from a ~zero-loss MAP barely moves (deviations ≈ 0.4 % of ‖θ‖), so the
-            # paper's scale 0.5 gives a near-point posterior; the scale is chosen on the
-            # validation split with the one-SE rule (as the Laplace recipe chooses τ).
-            "options": {"variant": "swag", "lr": 0.02, "snapshot_every": 0.5, "weight_decay": 5e-4,
-                        "scale_method": "val_nll", "val_rule": "one_se"},
-            "fit": {"epochs": 10, "val_loader": "val"},
-            "predictor": {"samples_per_component": 20},
-        }
-
-
 def _first(layers: dict[str, SWAGLayer]) -> SWAGLayer:
     return next(iter(layers.values()))
 
