@@ -162,10 +162,6 @@ def fit(
             f"method {method.name!r} cannot honour fit option(s) {refused}: "
             f"{method.unsupported_reason()}"
         )
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs <= 0:
-        raise BayesifyError(f"epochs must be a positive integer, got {epochs!r}")
-    if grad_accum_steps < 1:
-        raise BayesifyError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
     defaults = {**_FALLBACKS, **method.fit_defaults()}
     lr = lr if lr is not None else defaults.get("lr", method.default_lr())
     momentum = defaults["momentum"] if momentum is None else momentum
