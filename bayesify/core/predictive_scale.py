@@ -139,3 +139,24 @@ class MemberTemperature:
 def with_member_temperature(members: nn.Module, temperature: float) -> nn.Module:
     """``members`` itself at T = 1 (the untuned export is unchanged), else :class:`ScaledLogits`."""
     return members if temperature == 1.0 else ScaledLogits(members, temperature)
+
+
+class SpreadKnob:
+    """Mixin (before ``Method`` in the bases) for families whose knob multiplies the learned
+    posterior spread: registered in ``prepare``, reset to 1 by ``begin_fit``, tuned on
+    ``val_loader`` in ``finish_fit``. Set ``knob`` (the state name) and ``knob_meaning``."""
+
+    knob: str = ""
+    knob_meaning: str = ""
+
+    def prepare(self, bnn: BayesianModel) -> None:
+        add_knob(bnn, self.knob, layers=bnn.bayesian_layers().values())
+
+    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
+        reset_knob(bnn, self.knob)
+
+    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
+                   batch_fn: Any = None) -> dict[str, Any]:
+        """With ``val_loader``: the spread multiplier by validation NLL (shared one-SE search)."""
+        return tune_knob(bnn, val_loader, name=self.knob, grid=SPREAD_GRID, batch_fn=batch_fn,
+                         meaning=self.knob_meaning)

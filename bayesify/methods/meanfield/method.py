@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from bayesify.core.method import Method, wrapper_table
-from bayesify.core.predictive_scale import SPREAD_GRID, add_knob, reset_knob, tune_knob
+from bayesify.core.predictive_scale import SpreadKnob
 from bayesify.core.weight_members import export_weight_members
 from bayesify.core.weightspace import member_training_forward
 from bayesify.errors import BayesifyError
@@ -51,7 +51,7 @@ def minibatch_kl_weight(step: int, steps_per_epoch: int, weighting: str = "unifo
     raise BayesifyError(f"unknown KL weighting {weighting!r}; use 'uniform' or 'blundell'")
 
 
-class MeanFieldMethod(Method):
+class MeanFieldMethod(SpreadKnob, Method):
     """Bayes by Backprop around every target Linear/Conv (Blundell et al. 2015).
 
     Training: ``samples`` repeats per example; local reparameterisation / flipout
@@ -62,6 +62,8 @@ class MeanFieldMethod(Method):
 
     name = "meanfield"
     config_cls = MeanFieldConfig
+    knob = KNOB
+    knob_meaning = "multiplier of the weight posterior std; 0 = mean network"
     wrappers: ClassVar = wrapper_table(MeanFieldLayer)
 
     def training_forward(
@@ -97,19 +99,6 @@ class MeanFieldMethod(Method):
                                          seed=seed, example_input=example_input)
         return export_weight_members(bnn, samples_per_component=samples_per_component, seed=seed,
                                      example_input=example_input)
-
-    def prepare(self, bnn: BayesianModel) -> None:
-        add_knob(bnn, KNOB, layers=bnn.bayesian_layers().values())
-
-    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
-        reset_knob(bnn, KNOB)
-
-    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
-                   batch_fn: Any = None) -> dict[str, Any]:
-        """With ``val_loader``: the multiplier of the posterior stds (0 = the mean
-        network μ) by validation NLL (shared one-SE search)."""
-        return tune_knob(bnn, val_loader, name=KNOB, grid=SPREAD_GRID, batch_fn=batch_fn,
-                         meaning="multiplier of the weight posterior std; 0 = mean network")
 
     def default_lr(self) -> float:
         # μ are the pretrained weights themselves: SGD at 0.01 (momentum 0.9) walked a

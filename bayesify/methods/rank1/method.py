@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
 from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.method import wrapper_table
-from bayesify.core.predictive_scale import SPREAD_GRID, add_knob, reset_knob, tune_knob
+from bayesify.core.predictive_scale import SpreadKnob
 from bayesify.core.rank_one import RankOneLayer
 from bayesify.core.tiled import TiledMethod
 from bayesify.methods.rank1.config import Rank1Config
-
-if TYPE_CHECKING:
-    from bayesify.core.model import BayesianModel
 
 KNOB = "rank1_noise_scale"
 
@@ -31,7 +28,7 @@ class Rank1Layer(RankOneLayer):
         )
 
 
-class Rank1Method(TiledMethod):
+class Rank1Method(SpreadKnob, TiledMethod):
     """K members, each the base net with rank-1 Gaussian multiplicative factors.
 
     Loss: mean NLL over the K-tiled batch + β·mean_k KL_k / N_train (the trainer
@@ -41,20 +38,9 @@ class Rank1Method(TiledMethod):
 
     name = "rank1"
     config_cls = Rank1Config
+    knob = KNOB
+    knob_meaning = "multiplier of the posterior std of r, s; 0 = member means"
     wrappers: ClassVar = wrapper_table(Rank1Layer)
-
-    def prepare(self, bnn: BayesianModel) -> None:
-        add_knob(bnn, KNOB, layers=bnn.bayesian_layers().values())
-
-    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
-        reset_knob(bnn, KNOB)
-
-    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
-                   batch_fn: Any = None) -> dict[str, Any]:
-        """With ``val_loader``: the multiplier of the posterior stds of r and s (0 = the K
-        member means) by validation NLL (shared one-SE search)."""
-        return tune_knob(bnn, val_loader, name=KNOB, grid=SPREAD_GRID, batch_fn=batch_fn,
-                         meaning="multiplier of the posterior std of r, s; 0 = member means")
 
     def default_lr(self) -> float:
         # r, s and ρ are O(1) multipliers whatever the network; each member's factors get
