@@ -345,11 +345,14 @@ def _add_methods_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_methods(args: argparse.Namespace) -> int:
-    from bayesify import describe_method, list_methods
+    from bayesify import describe_method, list_methods, method_summary
 
     if args.name is None:
-        print("\n".join(list_methods()))
+        names = list_methods()
+        width = max(len(n) for n in names)
+        print("\n".join(f"{n.ljust(width)}  {method_summary(n)}" for n in names))
         return 0
+    print(f"{args.name}: {method_summary(args.name)}")
     for name, default, help_text in describe_method(args.name):
         print(f"{name} (default {default!r}): {help_text}")
     return 0

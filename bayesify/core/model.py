@@ -70,8 +70,15 @@ class BayesianModel(nn.Module):
 
     # -- structure -------------------------------------------------------------------
     @property
-    def config(self) -> Any:
+    def posterior_config(self) -> Any:
+        """The family's frozen config (also ``bnn.method.config``)."""
         return self.method.config
+
+    @property
+    def config(self) -> Any:
+        """The wrapped network's own ``config`` (Hugging Face models), which libraries
+        such as ``transformers.Trainer`` read and write; ``AttributeError`` without one."""
+        return self.model.config
 
     @property
     def method_name(self) -> str:
