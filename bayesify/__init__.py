@@ -66,8 +66,8 @@ __all__ = [
     "tune",
 ]
 
-from bayesify.entry import BayesifyEntry as _Entry  # noqa: E402
-from bayesify.entry import CallablePackage as _CallablePackage  # noqa: E402
+from bayesify.entry import BayesifyEntry as _Entry
+from bayesify.entry import CallablePackage as _CallablePackage
 
 #: the factory, carrying the package's public names (``bayesify.fit`` after
 #: ``from bayesify import bayesify``)
