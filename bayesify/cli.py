@@ -274,10 +274,12 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_arguments(parser, posterior=True)
     parser.add_argument("--format", choices=("pt2", "onnx"), default=None,
-                        help="torch.export program (.pt2) or ONNX (default: from the --output "
-                             "suffix, else pt2)")
+                        help="torch.export program (.pt2) or ONNX; the --output suffix decides "
+                             "and --format may only repeat it (default: pt2 without --output)")
     parser.add_argument("--output", default=None,
-                        help="file to write (default: RUN/predictor.pt2 or .onnx)")
+                        help="file to write, named .pt2 or .onnx; FILE.json (metadata: class "
+                             "names, preprocessing, family) and FILE.sha256 (integrity record) "
+                             "are written beside it (default: RUN/predictor.pt2 or .onnx)")
     parser.add_argument("--example-batch", type=int, default=2,
                         help="rows of the validation split used as the example input; the "
                              "batch axis of the export stays dynamic (default: 2)")
@@ -287,25 +289,45 @@ def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    fmt = args.format or ("onnx" if str(args.output or "").endswith(".onnx") else "pt2")
-    output = Path(args.output or Path(args.posterior or ".") / f"predictor.{fmt}")
+    from bayesify.predict.export import format_of
+
+    suffix = f".{args.format or 'pt2'}"
+    output = Path(args.output or Path(args.posterior or ".") / f"predictor{suffix}")
+    fmt = format_of(output, args.format)  # the suffix decides; --format may only repeat it
     check_out(output.parent, "--output")
     if args.example_batch < 1:
         raise BayesifyError(f"--example-batch must be >= 1, got {args.example_batch}")
-    model, bundle, _ = resolve(args)
+    model, bundle, spec = resolve(args)
     predictor = load_predictor(args, model)
     rows = [bundle.val[i][0] for i in range(min(args.example_batch, len(bundle.val)))]
     staged = StagedOutput(output.parent)
     with staged as stage:
         if is_main():
             info = predictor.export(stage / output.name, torch.stack(rows), format=fmt,
-                                    verify=not args.no_verify)
+                                    verify=not args.no_verify, class_names=spec["classes"],
+                                    preprocessing=_eval_preprocessing(spec, model))
     if is_main():
         info = {k: str(v).replace(str(stage), str(output.parent)) if isinstance(v, (str, Path))
-                else v for k, v in info.items()}
+                else v for k, v in info.items() if k not in ("metadata", "files")}
         print(format_metrics(info))
         print("\n" + staged.summary())
     return 0
+
+
+def _eval_preprocessing(spec: dict[str, Any], model: Any) -> dict[str, Any]:
+    """What turns an input image into the exported program's tensor, as data."""
+    from bayesify.data import sources
+    from bayesify.predict.preprocessing import describe_transform
+
+    channels, size = sources.model_input(spec["model"], spec["data"], spec["image_size"])
+    if spec["data"] == sources.DIGITS:
+        text = ("scikit-learn digits: 8x8 grey levels / 16 in [0, 1]"
+                + (f", bilinear resize to {size}x{size}" if size != 8 else "")
+                + (", grey repeated to 3 channels" if channels == 3 else ""))
+        return {"source": "bayesify digits", "steps": [{"op": "note", "text": text}],
+                "input_size": [channels, size, size]}
+    _, transform = sources.model_transforms(model, spec["model"], image_size=size)
+    return describe_transform(transform, source=f"{spec['model']} eval transform")
 
 
 # -- demo / methods -------------------------------------------------------------------------
