@@ -158,7 +158,7 @@ def _add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", choices=("val", "test"), default="test",
                         help="split to evaluate (folders without test/ use val/; default: test)")
     parser.add_argument("--out", default=None,
-                        help="directory for metrics.json, reliability.png, entropy_hist.png "
+                        help="directory for metrics.json, reliability.png, uncertainty_hist.png "
                              "(default: RUN/evaluate, or bayesify-eval)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
 
@@ -195,15 +195,19 @@ def _run_evaluate(args: argparse.Namespace) -> int:
             conf, guess = pred.probs.max(-1)
             metrics.save_reliability_diagram(
                 {result["method"]: (conf, (guess == labels).float())}, stage / "reliability.png")
-            groups = {f"{args.split} (in distribution)": pred.entropy}
+            groups = {f"{args.split} (in distribution)": _uncertainty(pred)}
             if ood is not None:
-                groups["OOD"] = ood.scaled(predictor.temperature).entropy
+                groups["OOD"] = _uncertainty(ood.scaled(predictor.temperature))
             metrics.save_entropy_histogram({result["method"]: groups},
-                                           stage / "entropy_hist.png", bundle.num_classes)
+                                           stage / "uncertainty_hist.png", bundle.num_classes)
     if is_main():
         print(format_metrics(result))
         print("\n" + staged.summary())
     return 0
+
+
+def _uncertainty(pred: Prediction) -> dict[str, torch.Tensor]:
+    return {"entropy": pred.entropy, "epistemic": pred.epistemic}
 
 
 class _Replay(BasePredictor):
@@ -343,10 +347,20 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--map-epochs", type=int, default=40,
                         help="epochs of plain MAP training of the 'pretrained' CNN (default: 40)")
     parser.add_argument("--epochs", type=int, default=None,
-                        help="posterior fine-tuning epochs (default: the demo's, 10)")
+                        help="posterior fine-tuning epochs (default: bayesify.fit's, "
+                             f"{_fit_default('epochs')})")
     parser.add_argument("--no-progress", action="store_true", help="hide tqdm progress bars")
     parser.add_argument("--no-plots", action="store_true",
                         help="skip the reliability diagram and entropy histogram PNGs")
+
+
+def _fit_default(name: str) -> Any:
+    """The default of a ``bayesify.fit`` keyword (help texts quote it, never a copy)."""
+    import inspect
+
+    from bayesify.train.loop import fit
+
+    return inspect.signature(fit).parameters[name].default
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -358,7 +372,7 @@ def _run_demo(args: argparse.Namespace) -> int:
                        progress=not args.no_progress, plots=not args.no_plots)
     print(format_table(results))
     print(f"\nwrote {args.out}/results.json" + ("" if args.no_plots else
-          f", {args.out}/reliability.png, {args.out}/entropy_hist.png"))
+          f", {args.out}/reliability.png, {args.out}/uncertainty_hist.png"))
     return 0
 
 

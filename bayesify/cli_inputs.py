@@ -252,7 +252,8 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:
-    rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in metrics.items()]
+    rows = [(k, "n/a" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v))
+            for k, v in metrics.items()]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 

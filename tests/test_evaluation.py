@@ -237,7 +237,7 @@ def test_report_table_and_figures(tmp_path, digits, digits_map):
     assert 0.5 < ood["ood_auroc_entropy"] <= 1.0
     skipped = [r for r in table if r["method"] == "nograd" and r["evaluation"] == "fgsm"]
     assert len(skipped) == 1 and "differentiable" in skipped[0]["note"]
-    for name in ("reliability.png", "entropy_hist.png", "uncertainty_gaussian.png",
+    for name in ("reliability.png", "uncertainty_hist.png", "uncertainty_gaussian.png",
                  "uncertainty_salt_pepper.png", "uncertainty_rotation.png", "fgsm.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000

@@ -63,7 +63,7 @@ def test_format_follows_the_file_name(exported, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["pt2", "onnx"])
 def test_metadata_travels_inside_and_beside_the_file(exported, fmt):
-    predictor, out, infos = exported
+    _, out, infos = exported
     path = out / f"m.{fmt}"
     if fmt == "pt2":
         with zipfile.ZipFile(path) as archive:

@@ -108,4 +108,4 @@ def test_demo_writes_results_and_pngs(tmp_path):
     for row in results.values():
         assert {"accuracy", "nll", "ece", "brier", "ood_auroc_entropy", "corrupt_nll"} <= set(row)
     assert (tmp_path / "reliability.png").stat().st_size > 1000
-    assert (tmp_path / "entropy_hist.png").stat().st_size > 1000
+    assert (tmp_path / "uncertainty_hist.png").stat().st_size > 1000

@@ -88,8 +88,8 @@ class BasePredictor:
                                     labels=False)
             num_classes = int(stats["num_classes"])
             out.update({
-                "ood_auroc_entropy": metrics.auroc(stats["entropy"], ood["entropy"]),
-                "ood_auroc_mi": metrics.auroc(stats["epistemic"], ood["epistemic"]),
+                "ood_auroc_entropy": metrics.ood_auroc(stats["entropy"], ood["entropy"]),
+                "ood_auroc_mi": metrics.ood_auroc(stats["epistemic"], ood["epistemic"]),
                 "ood_entropy": ood["entropy"].mean().item(),
                 "ood_entropy_cdf_auc": metrics.entropy_cdf_auc(ood["entropy"], num_classes),
             })
