@@ -120,7 +120,7 @@ def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
 def _run_fit(args: argparse.Namespace) -> int:
     from bayesify.core.factory import bayesify
     from bayesify.data.sources import save_checkpoint
-    from bayesify.train.loop import fit
+    from bayesify.train.imagenet import RUN_PATHS, portable_path
 
     options, fit_kwargs = _fit_plan(args)
     model, bundle, spec = resolve(args)
@@ -132,24 +132,44 @@ def _run_fit(args: argparse.Namespace) -> int:
         bnn = bayesify(model, args.method, **options)
         # the validation split tunes the family's predictive knob (SWAG's scale, Laplace's τ)
         fit_kwargs.setdefault("val_loader", loaders["val"])
-        result = fit(bnn, loaders["train"], progress=show_progress(args), base_lr=args.base_lr,
-                     optimizer=args.optimizer, log_dir=out, **fit_kwargs)
+        history = _fit_or_tune(bnn, loaders, args, fit_kwargs, log_dir=out)
         val = bnn.predictor(seed=args.seed).evaluate(progress_bar(loaders["val"], "validate", args))
         if is_main():
             save_checkpoint(model, out / BASE_FILE)  # bayesify() wrapped a copy
             bnn.save_posterior(out)
+            write_json(out / "final_metrics.json", val)
             write_json(out / RUN_FILE, {
-                "data": spec["data"], "model": spec["model"], "image_size": spec["image_size"],
-                "pretrained": spec["pretrained"], "classes": spec["classes"],
-                "method": args.method, "options": options, "seed": args.seed,
+                "data": spec["data"] if spec["data"] == "digits" else
+                portable_path(spec["data"], Path(args.out)), "model": spec["model"],
+                "image_size": spec["image_size"], "pretrained": spec["pretrained"],
+                "classes": spec["classes"], "method": args.method, "options": options,
+                "seed": args.seed, "paths": RUN_PATHS,
                 "fit": {k: v for k, v in fit_kwargs.items() if not k.endswith("_loader")},
-                "history": result.history, "val": val,
+                "history": history, "val": val,
             })
     if is_main():
         print(bnn.summary())
         print("\nvalidation:\n" + format_metrics(val))
         print("\n" + staged.summary())
     return 0
+
+
+def _fit_or_tune(bnn: Any, loaders: dict[str, Any], args: argparse.Namespace,
+                 fit_kwargs: dict[str, Any], *, log_dir: Path) -> list[dict[str, Any]]:
+    """``fit``; a family with nothing to train (post-hoc MC dropout, ``--no-train-weights``)
+    skips the training pass and only runs the validation search (``bayesify.tune``)."""
+    from bayesify.train.loop import fit
+    from bayesify.tuning_api import tune
+
+    trainable = any(p.requires_grad for p in bnn.posterior_parameters())
+    if bnn.method.training == "elbo" and not trainable and not args.base_lr:
+        if is_main():
+            print(f"bayesify: {args.method} has no trainable posterior parameters: no training "
+                  "pass, the validation search only", file=sys.stderr)
+        return [{"epoch": 0, "steps": 0, **tune(bnn, fit_kwargs["val_loader"])}]
+    result = fit(bnn, loaders["train"], progress=show_progress(args), base_lr=args.base_lr,
+                 optimizer=args.optimizer, log_dir=log_dir, **fit_kwargs)
+    return result.history
 
 
 # -- evaluate -------------------------------------------------------------------------------
@@ -420,6 +440,7 @@ def build_parser(fit_method: str = "ibnn", *, show_family: bool = False) -> argp
     from bayesify import __version__
 
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,  # `--component 4` must not silently mean --components
         prog="bayesify",
         description="Turn a pretrained PyTorch network into a Bayesian one: fit, evaluate, "
                     "calibrate and export posteriors.",
@@ -427,10 +448,14 @@ def build_parser(fit_method: str = "ibnn", *, show_family: bool = False) -> argp
     parser.add_argument("--version", action="version", version=f"bayesify {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, add_arguments, run) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if name == "fit":
             p.usage = "bayesify fit [--data DATA] [--model MODEL] [--method NAME] [options]"
             _add_fit_arguments(p, method=fit_method, show_family=show_family)
+            if show_family:
+                from bayesify.train.imagenet import family_help_only
+
+                family_help_only(p, "bayesify fit")
         else:
             add_arguments(p)
         p.set_defaults(run=run)

@@ -186,7 +186,7 @@ def train_head(model: SentenceClassifier, train: DataLoader, *, epochs: int,
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--method", default="ibnn", help="posterior family (default: ibnn)")
     parser.add_argument("--per-topic", type=int, default=60,
                         help="labelled sentences per topic (split 60/20/20; default 60)")
