@@ -282,8 +282,19 @@ def _value_text(value: Any) -> str:
     return str(value)
 
 
+def _flat(metrics: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Nested records (e.g. calibrate's ``curve``) as ``parent.key`` rows."""
+    rows: list[tuple[str, Any]] = []
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            rows += _flat(value, f"{prefix}{key}.")
+        else:
+            rows.append((f"{prefix}{key}", value))
+    return rows
+
+
 def format_metrics(metrics: dict[str, Any]) -> str:
-    rows = [(k, _value_text(v)) for k, v in metrics.items()]
+    rows = [(k, _value_text(v)) for k, v in _flat(metrics)]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 

@@ -229,12 +229,17 @@ def _final_metrics(bnn: Any, history: list[dict], val_loader: Any, args: argpars
                             channels_last=channels_last)
 
 
-def _write_posterior(bnn: Any, out: Path, extra: dict[str, Any]) -> list[Path]:
-    """The posterior and ``run.json`` into ``OUT`` (staged in ``OUT/posterior.incomplete``,
-    moved in file by file once complete)."""
+def _write_posterior(bnn: Any, out: Path, extra: dict[str, Any], *,
+                     base: Any = None) -> list[Path]:
+    """The posterior, ``run.json`` (and ``base.safetensors`` of ``base``) into ``OUT``
+    (staged in ``OUT/posterior.incomplete``, moved in file by file once complete)."""
+    from bayesify.data.model_source import save_checkpoint
+
     staging = out / "posterior.incomplete"
     shutil.rmtree(staging, ignore_errors=True)
     save_posterior_files(bnn, staging, extra=extra)
+    if base is not None:
+        save_checkpoint(base, staging / "base.safetensors")
     return install_files(staging, out)
 
 
@@ -321,7 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
                "image_size": args.image_size, "pretrained": args.pretrained,
                "checkpoint": portable_path(args.checkpoint, out), "method": args.method,
                "paths": RUN_PATHS}
-        written = _write_posterior(bnn, out, run)
+        # a randomly initialised base is kept (base.safetensors, as `bayesify fit` does)
+        keep_base = ready["model"] if args.checkpoint is None and not args.pretrained else None
+        written = _write_posterior(bnn, out, run, base=keep_base)
         (out / "final_metrics.json").write_text(json.dumps(final, indent=2))
         written += [out / "args.json", out / "history.jsonl", out / "final_metrics.json",
                     *list_checkpoints(out / "checkpoints")]
