@@ -247,3 +247,28 @@ def test_the_crafted_files_do_run_code_in_plain_torch(plain_pt2, kind, tmp_path)
     except Exception:  # noqa: BLE001, S110 - the payload ran before torch gave up
         pass
     assert marker.exists()
+
+
+def test_pt2_export_is_quiet(tmp_path):
+    """torch's "No complete tensor found in the group" (Laplace's exported tensors share one
+    storage) does not leak out of export; a bare torch.export.save of the program warns."""
+    import warnings
+
+    from bayesify import fit
+    from bayesify.predict.export import build_exported_predictor, export_program
+    from tests.test_registry_state import loader
+
+    bnn = bayesify(model(), "laplace")
+    fit(bnn, loader(), progress=False)
+    x = torch.rand(2, 1, 8, 8)
+    with warnings.catch_warnings(record=True) as bare:
+        warnings.simplefilter("always")
+        program = export_program(build_exported_predictor(bnn.predictor(), x), x)
+        torch.export.save(program, io.BytesIO())
+    with warnings.catch_warnings(record=True) as ours:
+        warnings.simplefilter("always")
+        bnn.predictor().export(tmp_path / "q.pt2", x)
+    assert [w for w in bare if "complete tensor" in str(w.message)]
+    assert not [w for w in ours if "complete tensor" in str(w.message)]
+    with zipfile.ZipFile(tmp_path / "q.pt2") as archive:
+        assert {n.split("/", 1)[0] for n in archive.namelist()} == {"archive"}

@@ -22,6 +22,7 @@ do not open the archive.
 
 from __future__ import annotations
 
+import io
 import json
 import warnings
 from pathlib import Path
@@ -94,11 +95,14 @@ def export_metadata(predictor: BasePredictor, *, fmt: str, members: int, num_cla
 
 
 def save_pt2(program: torch.export.ExportedProgram, path: Path, metadata: dict[str, Any]) -> None:
-    """``torch.export.save`` with the metadata as ``extra/bayesify.json``."""
+    """``torch.export.save`` with the metadata as ``extra/bayesify.json`` (written through a
+    buffer, so the archive's root folder does not carry the temporary file's name)."""
+    buffer = io.BytesIO()
     with warnings.catch_warnings():
         # torch warns when frozen member tables share one storage; the payload is complete
         warnings.filterwarnings("ignore", message="No complete tensor found in the group")
-        torch.export.save(program, str(path), extra_files={METADATA_NAME: json.dumps(metadata)})
+        torch.export.save(program, buffer, extra_files={METADATA_NAME: json.dumps(metadata)})
+    path.write_bytes(buffer.getvalue())
 
 
 def embed_onnx_metadata(path: Path, metadata: dict[str, Any]) -> None:
