@@ -120,7 +120,7 @@ def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
 def _run_fit(args: argparse.Namespace) -> int:
     from bayesify.core.factory import bayesify
     from bayesify.data.sources import save_checkpoint
-    from bayesify.train.loop import fit
+    from bayesify.train.imagenet import RUN_PATHS, portable_path
 
     options, fit_kwargs = _fit_plan(args)
     model, bundle, spec = resolve(args)
@@ -132,18 +132,20 @@ def _run_fit(args: argparse.Namespace) -> int:
         bnn = bayesify(model, args.method, **options)
         # the validation split tunes the family's predictive knob (SWAG's scale, Laplace's τ)
         fit_kwargs.setdefault("val_loader", loaders["val"])
-        result = fit(bnn, loaders["train"], progress=show_progress(args), base_lr=args.base_lr,
-                     optimizer=args.optimizer, log_dir=out, **fit_kwargs)
+        history = _fit_or_tune(bnn, loaders, args, fit_kwargs, log_dir=out)
         val = bnn.predictor(seed=args.seed).evaluate(progress_bar(loaders["val"], "validate", args))
         if is_main():
             save_checkpoint(model, out / BASE_FILE)  # bayesify() wrapped a copy
             bnn.save_posterior(out)
+            write_json(out / "final_metrics.json", val)
             write_json(out / RUN_FILE, {
-                "data": spec["data"], "model": spec["model"], "image_size": spec["image_size"],
-                "pretrained": spec["pretrained"], "classes": spec["classes"],
-                "method": args.method, "options": options, "seed": args.seed,
+                "data": spec["data"] if spec["data"] == "digits" else
+                portable_path(spec["data"], Path(args.out)), "model": spec["model"],
+                "image_size": spec["image_size"], "pretrained": spec["pretrained"],
+                "classes": spec["classes"], "method": args.method, "options": options,
+                "seed": args.seed, "paths": RUN_PATHS,
                 "fit": {k: v for k, v in fit_kwargs.items() if not k.endswith("_loader")},
-                "history": result.history, "val": val,
+                "history": history, "val": val,
             })
     if is_main():
         print(bnn.summary())
@@ -152,13 +154,31 @@ def _run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit_or_tune(bnn: Any, loaders: dict[str, Any], args: argparse.Namespace,
+                 fit_kwargs: dict[str, Any], *, log_dir: Path) -> list[dict[str, Any]]:
+    """``fit``; a family with nothing to train (post-hoc MC dropout, ``--no-train-weights``)
+    skips the training pass and only runs the validation search (``bayesify.tune``)."""
+    from bayesify.train.loop import fit
+    from bayesify.tuning_api import tune
+
+    trainable = any(p.requires_grad for p in bnn.posterior_parameters())
+    if bnn.method.training == "elbo" and not trainable and not args.base_lr:
+        if is_main():
+            print(f"bayesify: {args.method} has no trainable posterior parameters: no training "
+                  "pass, the validation search only", file=sys.stderr)
+        return [{"epoch": 0, "steps": 0, **tune(bnn, fit_kwargs["val_loader"])}]
+    result = fit(bnn, loaders["train"], progress=show_progress(args), base_lr=args.base_lr,
+                 optimizer=args.optimizer, log_dir=log_dir, **fit_kwargs)
+    return result.history
+
+
 # -- evaluate -------------------------------------------------------------------------------
 def _add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_arguments(parser, posterior=True)
     parser.add_argument("--split", choices=("val", "test"), default="test",
                         help="split to evaluate (folders without test/ use val/; default: test)")
     parser.add_argument("--out", default=None,
-                        help="directory for metrics.json, reliability.png, entropy_hist.png "
+                        help="directory for metrics.json, reliability.png, uncertainty_hist.png "
                              "(default: RUN/evaluate, or bayesify-eval)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
 
@@ -195,15 +215,19 @@ def _run_evaluate(args: argparse.Namespace) -> int:
             conf, guess = pred.probs.max(-1)
             metrics.save_reliability_diagram(
                 {result["method"]: (conf, (guess == labels).float())}, stage / "reliability.png")
-            groups = {f"{args.split} (in distribution)": pred.entropy}
+            groups = {f"{args.split} (in distribution)": _uncertainty(pred)}
             if ood is not None:
-                groups["OOD"] = ood.scaled(predictor.temperature).entropy
+                groups["OOD"] = _uncertainty(ood.scaled(predictor.temperature))
             metrics.save_entropy_histogram({result["method"]: groups},
-                                           stage / "entropy_hist.png", bundle.num_classes)
+                                           stage / "uncertainty_hist.png", bundle.num_classes)
     if is_main():
         print(format_metrics(result))
         print("\n" + staged.summary())
     return 0
+
+
+def _uncertainty(pred: Prediction) -> dict[str, torch.Tensor]:
+    return {"entropy": pred.entropy, "epistemic": pred.epistemic}
 
 
 class _Replay(BasePredictor):
@@ -274,10 +298,12 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_arguments(parser, posterior=True)
     parser.add_argument("--format", choices=("pt2", "onnx"), default=None,
-                        help="torch.export program (.pt2) or ONNX (default: from the --output "
-                             "suffix, else pt2)")
+                        help="torch.export program (.pt2) or ONNX; the --output suffix decides "
+                             "and --format may only repeat it (default: pt2 without --output)")
     parser.add_argument("--output", default=None,
-                        help="file to write (default: RUN/predictor.pt2 or .onnx)")
+                        help="file to write, named .pt2 or .onnx; FILE.json (metadata: class "
+                             "names, preprocessing, family) and FILE.sha256 (integrity record) "
+                             "are written beside it (default: RUN/predictor.pt2 or .onnx)")
     parser.add_argument("--example-batch", type=int, default=2,
                         help="rows of the validation split used as the example input; the "
                              "batch axis of the export stays dynamic (default: 2)")
@@ -287,25 +313,45 @@ def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    fmt = args.format or ("onnx" if str(args.output or "").endswith(".onnx") else "pt2")
-    output = Path(args.output or Path(args.posterior or ".") / f"predictor.{fmt}")
+    from bayesify.predict.export import format_of
+
+    suffix = f".{args.format or 'pt2'}"
+    output = Path(args.output or Path(args.posterior or ".") / f"predictor{suffix}")
+    fmt = format_of(output, args.format)  # the suffix decides; --format may only repeat it
     check_out(output.parent, "--output")
     if args.example_batch < 1:
         raise BayesifyError(f"--example-batch must be >= 1, got {args.example_batch}")
-    model, bundle, _ = resolve(args)
+    model, bundle, spec = resolve(args)
     predictor = load_predictor(args, model)
     rows = [bundle.val[i][0] for i in range(min(args.example_batch, len(bundle.val)))]
     staged = StagedOutput(output.parent)
     with staged as stage:
         if is_main():
             info = predictor.export(stage / output.name, torch.stack(rows), format=fmt,
-                                    verify=not args.no_verify)
+                                    verify=not args.no_verify, class_names=spec["classes"],
+                                    preprocessing=_eval_preprocessing(spec, model))
     if is_main():
         info = {k: str(v).replace(str(stage), str(output.parent)) if isinstance(v, (str, Path))
-                else v for k, v in info.items()}
+                else v for k, v in info.items() if k not in ("metadata", "files")}
         print(format_metrics(info))
         print("\n" + staged.summary())
     return 0
+
+
+def _eval_preprocessing(spec: dict[str, Any], model: Any) -> dict[str, Any]:
+    """What turns an input image into the exported program's tensor, as data."""
+    from bayesify.data import sources
+    from bayesify.predict.preprocessing import describe_transform
+
+    channels, size = sources.model_input(spec["model"], spec["data"], spec["image_size"])
+    if spec["data"] == sources.DIGITS:
+        text = ("scikit-learn digits: 8x8 grey levels / 16 in [0, 1]"
+                + (f", bilinear resize to {size}x{size}" if size != 8 else "")
+                + (", grey repeated to 3 channels" if channels == 3 else ""))
+        return {"source": "bayesify digits", "steps": [{"op": "note", "text": text}],
+                "input_size": [channels, size, size]}
+    _, transform = sources.model_transforms(model, spec["model"], image_size=size)
+    return describe_transform(transform, source=f"{spec['model']} eval transform")
 
 
 # -- demo / methods -------------------------------------------------------------------------
@@ -321,10 +367,20 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--map-epochs", type=int, default=40,
                         help="epochs of plain MAP training of the 'pretrained' CNN (default: 40)")
     parser.add_argument("--epochs", type=int, default=None,
-                        help="posterior fine-tuning epochs (default: the demo's, 10)")
+                        help="posterior fine-tuning epochs (default: bayesify.fit's, "
+                             f"{_fit_default('epochs')})")
     parser.add_argument("--no-progress", action="store_true", help="hide tqdm progress bars")
     parser.add_argument("--no-plots", action="store_true",
                         help="skip the reliability diagram and entropy histogram PNGs")
+
+
+def _fit_default(name: str) -> Any:
+    """The default of a ``bayesify.fit`` keyword (help texts quote it, never a copy)."""
+    import inspect
+
+    from bayesify.train.loop import fit
+
+    return inspect.signature(fit).parameters[name].default
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -336,7 +392,7 @@ def _run_demo(args: argparse.Namespace) -> int:
                        progress=not args.no_progress, plots=not args.no_plots)
     print(format_table(results))
     print(f"\nwrote {args.out}/results.json" + ("" if args.no_plots else
-          f", {args.out}/reliability.png, {args.out}/entropy_hist.png"))
+          f", {args.out}/reliability.png, {args.out}/uncertainty_hist.png"))
     return 0
 
 
@@ -345,11 +401,14 @@ def _add_methods_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_methods(args: argparse.Namespace) -> int:
-    from bayesify import describe_method, list_methods
+    from bayesify import describe_method, list_methods, method_summary
 
     if args.name is None:
-        print("\n".join(list_methods()))
+        names = list_methods()
+        width = max(len(n) for n in names)
+        print("\n".join(f"{n.ljust(width)}  {method_summary(n)}" for n in names))
         return 0
+    print(f"{args.name}: {method_summary(args.name)}")
     for name, default, help_text in describe_method(args.name):
         print(f"{name} (default {default!r}): {help_text}")
     return 0
@@ -381,6 +440,7 @@ def build_parser(fit_method: str = "ibnn", *, show_family: bool = False) -> argp
     from bayesify import __version__
 
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,  # `--component 4` must not silently mean --components
         prog="bayesify",
         description="Turn a pretrained PyTorch network into a Bayesian one: fit, evaluate, "
                     "calibrate and export posteriors.",
@@ -388,10 +448,14 @@ def build_parser(fit_method: str = "ibnn", *, show_family: bool = False) -> argp
     parser.add_argument("--version", action="version", version=f"bayesify {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, add_arguments, run) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if name == "fit":
             p.usage = "bayesify fit [--data DATA] [--model MODEL] [--method NAME] [options]"
             _add_fit_arguments(p, method=fit_method, show_family=show_family)
+            if show_family:
+                from bayesify.train.imagenet import family_help_only
+
+                family_help_only(p, "bayesify fit")
         else:
             add_arguments(p)
         p.set_defaults(run=run)

@@ -41,7 +41,13 @@ def show_progress(args: argparse.Namespace) -> bool:
 
 # -- shared flags ------------------------------------------------------------------------
 def add_source_arguments(parser: argparse.ArgumentParser, *, posterior: bool) -> None:
-    """Flags shared by fit / evaluate / calibrate / export (same name, same meaning)."""
+    """Flags shared by fit / evaluate / calibrate / export (same name, same meaning).
+
+    For the commands that read a posterior (``posterior=True``) the base-model flags
+    sit in their own group: they are read from ``--posterior``'s run.json and only
+    override it (or build the MAP baseline without ``--posterior``); nothing there
+    trains a posterior.
+    """
     from_run = "from --posterior, else " if posterior else ""
     if posterior:
         parser.add_argument("--posterior", metavar="DIR", default=None,
@@ -50,41 +56,49 @@ def add_source_arguments(parser: argparse.ArgumentParser, *, posterior: bool) ->
         parser.add_argument("--method", default=None,
                             help="posterior family; optional here: the family comes from "
                                  "--posterior, and a different --method is refused")
-    parser.add_argument("--data", default=None,
-                        help="'digits' (embedded scikit-learn digits: classes 0-4 in "
-                             "distribution, 5-9 OOD) or an ImageFolder DIR with train/ and val/ "
-                             f"(and optional test/) subfolders (default: {from_run}digits)")
-    parser.add_argument("--model", default=None,
-                        help="'digits-cnn', 'timm:NAME' (e.g. timm:resnet50) or "
-                             f"'torchvision:NAME' (default: {from_run}digits-cnn); the class "
-                             "count comes from --data")
-    parser.add_argument("--checkpoint", metavar="PATH", default=None,
-                        help="base weights: a state_dict as .safetensors or a torch file (read "
-                             "with weights_only=True); its classifier head must match the class "
-                             "count of --data" + (" (default: RUN/base.safetensors)" if posterior
-                                                   else ""))
-    parser.add_argument("--pretrained", action="store_true",
-                        help="start from the hub weights of the timm/torchvision model "
-                             "(needs network access)")
-    parser.add_argument("--map-epochs", type=int, default=None,
-                        help="without --checkpoint/--pretrained, train the base model on the "
-                             "train split for this many epochs first (default: 40 on digits, "
-                             "0 = random init on folders)")
-    parser.add_argument("--image-size", type=int, default=None,
-                        help="input resolution (default: the model's own config; digits: 8 for "
-                             "digits-cnn, 32 for timm/torchvision)")
-    parser.add_argument("--ood", metavar="DIR", default=None,
-                        help="ImageFolder of out-of-distribution images for OOD AUROC "
-                             "(digits uses classes 5-9 automatically)")
+    base = parser.add_argument_group(
+        "base model and data (read from --posterior's run.json; set only to override it, "
+        "or for the MAP baseline without --posterior)") if posterior else parser
+    base.add_argument("--data", default=None,
+                      help="'digits' (embedded scikit-learn digits: classes 0-4 in "
+                           "distribution, 5-9 OOD) or an ImageFolder DIR with train/ and val/ "
+                           f"(and optional test/) subfolders (default: {from_run}digits)")
+    base.add_argument("--model", default=None,
+                      help="'digits-cnn', 'timm:NAME' (e.g. timm:resnet50) or "
+                           f"'torchvision:NAME' (default: {from_run}digits-cnn); the class "
+                           "count comes from --data")
+    base.add_argument("--checkpoint", metavar="PATH", default=None,
+                      help="base weights: a state_dict as .safetensors or a torch file (read "
+                           "with weights_only=True); its classifier head must match the class "
+                           "count of --data" + (" (default: RUN/base.safetensors)" if posterior
+                                                 else ""))
+    base.add_argument("--pretrained", action="store_true",
+                      help="start from the hub weights of the timm/torchvision model "
+                           "(needs network access)")
+    base.add_argument("--map-epochs", type=int, default=None,
+                      help=("MAP baseline only (no --posterior, --checkpoint or --pretrained): "
+                            if posterior else "without --checkpoint/--pretrained, ")
+                      + "train the base model on the train split for this many epochs first "
+                        "(default: 40 on digits, 0 = random init on folders)")
+    base.add_argument("--image-size", type=int, default=None,
+                      help="input resolution (default: the model's own config; digits: 8 for "
+                           "digits-cnn, 32 for timm/torchvision)")
+    base.add_argument("--ood", metavar="DIR", default=None,
+                      help="ImageFolder of out-of-distribution images for OOD AUROC "
+                           "(digits uses classes 5-9 automatically)")
     parser.add_argument("--batch-size", type=int, default=64,
-                        help="training batch per process (global = this × processes under "
-                             "torchrun); evaluation uses max(this, 256) (default: 64)")
+                        help=("rows per batch; evaluation uses max(this, 256) (default: 64)"
+                              if posterior else
+                              "training batch per process (global = this × processes under "
+                              "torchrun); evaluation uses max(this, 256) (default: 64)"))
     parser.add_argument("--workers", type=int, default=None,
                         help="DataLoader worker processes (default: from the CPUs available; "
                              "0 on digits and below 3 CPUs per process)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the data split, training and the predictive members' "
-                             "noise (default: 0)")
+                        help=("seed of the data split and the predictive members' noise "
+                              "(default: 0)" if posterior else
+                              "seed of the data split, training and the predictive members' "
+                              "noise (default: 0)"))
     parser.add_argument("--device", default="auto",
                         help="'cpu', 'cuda', 'cuda:1', ... or 'auto' (cuda when available)")
     parser.add_argument("--no-progress", action="store_true",
@@ -164,12 +178,13 @@ def resolve(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     size × processes vs data size) before the optional MAP pre-training.
     """
     from bayesify.data import sources
+    from bayesify.train.imagenet import run_path
 
     check_common(args)
     run_dir = Path(args.posterior) if getattr(args, "posterior", None) else None
     run = read_json(run_dir / RUN_FILE) if run_dir and (run_dir / RUN_FILE).is_file() else {}
     spec = {
-        "data": args.data or run.get("data") or sources.DIGITS,
+        "data": args.data or run_path(run, "data", run_dir) or sources.DIGITS,
         "model": args.model or run.get("model") or sources.DIGITS_CNN,
         "image_size": args.image_size or run.get("image_size"),
         "pretrained": bool(args.pretrained or run.get("pretrained", False)),
@@ -178,7 +193,7 @@ def resolve(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     if checkpoint is None and run_dir is not None and (run_dir / BASE_FILE).is_file():
         checkpoint = str(run_dir / BASE_FILE)
     elif checkpoint is None and not args.pretrained:
-        checkpoint = run.get("checkpoint")  # a posterior/ of examples/finetune_imagenet.py
+        checkpoint = run_path(run, "checkpoint", run_dir)  # examples/finetune_imagenet.py
     classes = sources.data_classes(spec["data"])
     channels, _ = sources.model_input(spec["model"], spec["data"], spec["image_size"])
     where = f"--data {spec['data']} ({len(classes)} classes)"
@@ -251,8 +266,35 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2))
 
 
+def _value_text(value: Any) -> str:
+    """A number to 4 places; "n/a" for None (a score without signal); a long list (e.g. a
+    42-point calibration curve, kept in full in the JSON) as its length and range."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, (list, tuple)) and len(value) > 6:
+        numbers = [v for v in value if isinstance(v, (int, float))]
+        if len(numbers) == len(value):
+            return (f"{len(value)} values, {min(numbers):.4g} … {max(numbers):.4g} "
+                    "(in full in the JSON)")
+        return f"{len(value)} entries (in full in the JSON)"
+    return str(value)
+
+
+def _flat(metrics: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Nested records (e.g. calibrate's ``curve``) as ``parent.key`` rows."""
+    rows: list[tuple[str, Any]] = []
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            rows += _flat(value, f"{prefix}{key}.")
+        else:
+            rows.append((f"{prefix}{key}", value))
+    return rows
+
+
 def format_metrics(metrics: dict[str, Any]) -> str:
-    rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in metrics.items()]
+    rows = [(k, _value_text(v)) for k, v in _flat(metrics)]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 

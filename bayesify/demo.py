@@ -98,15 +98,24 @@ def _plots(predictors: dict[str, BasePredictor], loaders: dict[str, DataLoader],
         test = per_example_stats(predictor, loaders["test"], device=predictor.device)
         ood = per_example_stats(predictor, loaders["ood"], device=predictor.device, labels=False)
         curves[name] = (test["confidence"], test["correct"])
-        groups[name] = {"in distribution (0–4)": test["entropy"], "OOD (5–9)": ood["entropy"]}
+        groups[name] = {"in distribution (0–4)": {k: test[k] for k in ("entropy", "epistemic")},
+                        "OOD (5–9)": {k: ood[k] for k in ("entropy", "epistemic")}}
     metrics.save_reliability_diagram(curves, out_dir / "reliability.png")
-    metrics.save_entropy_histogram(groups, out_dir / "entropy_hist.png", num_classes)
+    metrics.save_entropy_histogram(groups, out_dir / "uncertainty_hist.png", num_classes)
+
+
+def _cell(row: dict[str, Any], column: str) -> str:
+    """A number to 4 places; "n/a" for a score without signal (e.g. a single network's MI)."""
+    value = row.get(column, "")
+    if value is None:
+        return "n/a"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
 def format_table(results: dict[str, dict[str, Any]], columns: tuple[str, ...] = COLUMNS) -> str:
     header = ["method", *columns]
     rows = [header] + [
-        [name] + [f"{r[c]:.4f}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in columns]
+        [name] + [_cell(r, c) for c in columns]
         for name, r in results.items()
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -146,54 +147,36 @@ def entropy_cdf_auc(entropies: torch.Tensor, num_classes: int) -> float:
     return (1.0 - normalised.mean()).item()
 
 
+def has_signal(*scores: torch.Tensor, tol: float = 1e-5) -> bool:
+    """Whether pooled scores vary at all (beyond float noise): the mutual information of
+    a single network is 0 up to rounding, and ranking by it is ranking noise."""
+    pooled = torch.cat([s.double().flatten() for s in scores])
+    return pooled.numel() > 0 and bool(pooled.max() - pooled.min() > tol)
+
+
+def ood_auroc(scores_in: torch.Tensor, scores_ood: torch.Tensor) -> float | None:
+    """:func:`auroc` of an uncertainty score (OOD = positives); ``None`` ("n/a") when the
+    score carries no signal (:func:`has_signal`), e.g. a single network's MI."""
+    if not has_signal(scores_in, scores_ood):
+        return None
+    return auroc(scores_in, scores_ood)
+
+
 def save_reliability_diagram(
     curves: dict[str, tuple[torch.Tensor, torch.Tensor]], path: str | Path, n_bins: int = 15
 ) -> Path:
-    """PNG reliability diagram; ``curves`` maps a label to ``(confidence, correct)``."""
-    import matplotlib
+    """PNG reliability diagram with per-bin counts and a confidence histogram;
+    ``curves`` maps a label to ``(confidence, correct)`` (see :mod:`bayesify.plots`)."""
+    from bayesify.plots import save_reliability_diagram as save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
-    for label, (conf, correct) in curves.items():
-        bins = reliability_bins(conf, correct, n_bins)
-        ece_value = ece_from_confidence(conf, correct, n_bins)
-        ax.plot([b[1] for b in bins], [b[2] for b in bins], "o-", ms=3,
-                label=f"{label} (ECE {ece_value:.3f})")
-    ax.set_xlabel("confidence")
-    ax.set_ylabel("accuracy")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=8, loc="upper left")
-    ax.set_title("reliability diagram")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(curves, path, n_bins)
 
 
 def save_entropy_histogram(
-    groups: dict[str, dict[str, torch.Tensor]], path: str | Path, num_classes: int
+    groups: dict[str, dict[str, Any]], path: str | Path, num_classes: int
 ) -> Path:
-    """PNG of predictive-entropy histograms; ``groups[method][split] = entropies``."""
-    import matplotlib
+    """PNG of uncertainty histograms; ``groups[method][split]`` = entropies ``[N]`` or
+    ``{"entropy": [N], "epistemic": [N]}`` (entropy and MI columns; see :mod:`bayesify.plots`)."""
+    from bayesify.plots import save_uncertainty_histograms
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.2), squeeze=False)
-    bins = torch.linspace(0, math.log(num_classes), 31).numpy()
-    for ax, (method, splits) in zip(axes[0], groups.items()):
-        for split, values in splits.items():
-            ax.hist(values.numpy(), bins=bins, alpha=0.55, density=True, label=split)
-        ax.set_title(method)
-        ax.set_xlabel("predictive entropy (nats)")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_uncertainty_histograms(groups, path, num_classes)

@@ -119,7 +119,7 @@ def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
         "bayesify_version": __version__,
         "torch_version": torch.__version__,
         "method": bnn.method_name,
-        "config": bnn.config.to_dict(),
+        "config": bnn.method.config.to_dict(),
         "targets": list(bnn.targets),
         "parameters": sorted(set(tensors) - set(buffer_names) - set(base_names)),
         "state": buffer_names,

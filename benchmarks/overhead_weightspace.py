@@ -85,7 +85,7 @@ def timing(steps: int, members: int, batch: int = 32, size: int = 64) -> dict:
     for label, (method, options) in CONFIGS.items():
         bnn = bayesify(model, method, **options)
         bopt = torch.optim.SGD(bnn.posterior_parameters(), lr=1e-4)
-        rows = batch * int(getattr(bnn.config, "samples", 1))
+        rows = batch * int(getattr(bnn.posterior_config, "samples", 1))
 
         def step(bnn=bnn, bopt=bopt) -> None:
             bnn.train()

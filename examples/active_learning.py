@@ -280,7 +280,7 @@ def load_results(paths: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--seeds", type=int, default=3, help="number of seeds (0..N-1)")
     parser.add_argument("--rounds", type=int, default=None, help="acquisition rounds (15)")
     parser.add_argument("--out", default="active_learning.png", help="PNG path")

@@ -11,11 +11,13 @@ checked before any training starts and before anything is written. Single
 process works too (``python examples/finetune_imagenet.py ...``). ``--batch-size``
 is per process: the global batch is batch size × number of processes.
 
-Outputs in ``--out``: ``args.json``, ``history.jsonl`` (one line per epoch, with
-val accuracy/NLL/ECE), ``checkpoints/`` (resumable; rerunning the same command
-continues from the newest one), ``posterior/`` (the final posterior, written via
-``posterior.incomplete/`` and renamed when complete) and ``final_metrics.json``.
-See examples/README_imagenet.md.
+Outputs in ``--out`` (the layout of ``bayesify fit --out``, so ``bayesify calibrate /
+evaluate / export --posterior OUT`` read it): ``posterior.safetensors`` +
+``bayesify.json`` (the final posterior, staged in ``posterior.incomplete/`` and moved
+in when complete), ``run.json`` (model, data, classes; paths relative to OUT),
+``history.jsonl`` (one line per epoch, with val accuracy/NLL/ECE),
+``final_metrics.json``, ``args.json`` and ``checkpoints/`` (resumable; rerunning the
+same command continues from the newest one). See examples/README_imagenet.md.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from typing import Any
 
 import torch
 
-import bayesify as bayesify_pkg
 from bayesify import bayesify, fit
 from bayesify.core.registry import list_methods
 from bayesify.data.model_source import create_model, model_transforms
@@ -40,12 +41,17 @@ from bayesify.train import cleanup_distributed, evaluate_sharded, setup_distribu
 from bayesify.train.checkpoint import list_checkpoints
 from bayesify.train.distributed import broadcast_object
 from bayesify.train.imagenet import (
+    RUN_PATHS,
     add_family_options,
     check_family_options,
+    check_resume_batch,
     families_epilog,
+    family_help_only,
     family_options,
     image_folder_loaders,
+    install_files,
     peek_method,
+    portable_path,
     save_posterior_files,
 )
 from bayesify.train.schedules import SCHEDULE_HELP, parse_schedule
@@ -56,6 +62,7 @@ PROG = "finetune_imagenet.py"
 def build_parser(method: str = "ibnn", *, show_family: bool = True) -> argparse.ArgumentParser:
     """Common flags plus the options of ``method`` (shown in ``--help`` when ``show_family``)."""
     p = argparse.ArgumentParser(
+        allow_abbrev=False,  # `--component 4` must not silently mean --components
         prog=PROG,
         usage=f"{PROG} --model SOURCE:NAME --data DIR --out DIR [--method NAME] [options]",
         description="Bayesify a pretrained ImageNet model and fine-tune its posterior "
@@ -63,7 +70,7 @@ def build_parser(method: str = "ibnn", *, show_family: bool = True) -> argparse.
         epilog=families_epilog(PROG) + " The final evaluation uses the family's prediction "
                "setting (iBNN: --predict-samples n per component, M = K·n members).",
     )
-    p.add_argument("--version", action="version", version=f"bayesify {bayesify_pkg.__version__}")
+    p.add_argument("--version", action="version", version=f"bayesify {bayesify.__version__}")
     m = p.add_argument_group("model and data")
     m.add_argument("--model", required=True,
                    help="SOURCE:NAME, e.g. timm:resnet50 or torchvision:resnet50")
@@ -141,8 +148,9 @@ def build_parser(method: str = "ibnn", *, show_family: bool = True) -> argparse.
                    help="noise samples per component in per-epoch validation (default: the "
                         "family's; then the last epoch's validation is the final evaluation)")
     e.add_argument("--out", required=True,
-                   help="output directory: args.json, history.jsonl, checkpoints/, posterior/, "
-                        "final_metrics.json")
+                   help="run directory (the layout of `bayesify fit --out`): posterior."
+                        "safetensors, bayesify.json, run.json, history.jsonl, "
+                        "final_metrics.json, args.json, checkpoints/")
     e.add_argument("--checkpoint-every-steps", type=int, default=0,
                    help="also checkpoint every N optimiser steps (default: 0 = once per epoch)")
     e.add_argument("--keep-checkpoints", type=int, default=2,
@@ -152,6 +160,8 @@ def build_parser(method: str = "ibnn", *, show_family: bool = True) -> argparse.
                         "checkpoint file/directory (default: auto)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_family_options(p, method, show=show_family)
+    if show_family:
+        family_help_only(p, PROG)
     return p
 
 
@@ -199,6 +209,9 @@ def preflight(args: argparse.Namespace) -> dict[str, Any]:
     if layout.counts["val"] == 0:
         raise BayesifyError(f"{layout.root / 'val'} holds no images")
     workers = default_workers() if args.workers is None else args.workers
+    resume = _resume_target(args)
+    if resume is not None:  # a resume that cannot continue is refused before any plan
+        check_resume_batch(resume, batch_size=args.batch_size, world_size=world)
     return {"options": options, "model": model, "classes": classes, "plan": plan,
             "workers": workers, "num_classes": num_classes}
 
@@ -216,14 +229,26 @@ def _final_metrics(bnn: Any, history: list[dict], val_loader: Any, args: argpars
                             channels_last=channels_last)
 
 
-def _write_posterior(bnn: Any, out: Path, extra: dict[str, Any]) -> list[Path]:
-    """``OUT/posterior`` written as ``posterior.incomplete`` first, renamed when complete."""
-    staging, final = out / "posterior.incomplete", out / "posterior"
+def _write_posterior(bnn: Any, out: Path, extra: dict[str, Any], *,
+                     base: Any = None) -> list[Path]:
+    """The posterior, ``run.json`` (and ``base.safetensors`` of ``base``) into ``OUT``
+    (staged in ``OUT/posterior.incomplete``, moved in file by file once complete)."""
+    from bayesify.data.model_source import save_checkpoint
+
+    staging = out / "posterior.incomplete"
     shutil.rmtree(staging, ignore_errors=True)
-    files = save_posterior_files(bnn, staging, extra=extra)
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
-    return [final / f.name for f in files]
+    save_posterior_files(bnn, staging, extra=extra)
+    if base is not None:
+        save_checkpoint(base, staging / "base.safetensors")
+    return install_files(staging, out)
+
+
+def _resume_target(args: argparse.Namespace) -> Any:
+    """``--resume``: a checkpoint path, the newest of ``OUT/checkpoints`` (auto), or None."""
+    if args.resume == "auto":
+        return Path(args.out) / "checkpoints" if list_checkpoints(Path(args.out) / "checkpoints") \
+            else None
+    return None if args.resume == "none" else args.resume
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -263,12 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{len(classes)} classes (from {args.data}/train); {ready['plan'].describe()}; "
               f"{ready['workers']} loader worker(s) per process", flush=True)
 
-    resume = None
-    if args.resume == "auto":
-        resume = out / "checkpoints" if list_checkpoints(out / "checkpoints") else None
-    elif args.resume != "none":
-        resume = args.resume
-    resume = broadcast_object(resume, ctx)  # rank 0 decides: ranks may not share a disk
+    resume = broadcast_object(_resume_target(args), ctx)  # rank 0 decides: disks may differ
     training = {
         "epochs": args.epochs, "lr": args.lr, "lr_schedule": args.lr_schedule, "base_lr": args.base_lr,
         "base_lr_schedule": args.base_lr_schedule, "beta": args.beta,
@@ -285,22 +305,30 @@ def main(argv: list[str] | None = None) -> dict:
                                 or key in ("amp", "channels_last")
                                 and getattr(args, flag, None) is None):
             training.pop(key)
-    result = fit(
-        bnn, train_loader, **training, seed=args.seed, device=ctx.device,
-        val_loader=val_loader, val_every=args.val_every,
-        val_samples_per_component=args.val_samples, log_dir=out,
-        checkpoint_dir=out / "checkpoints", keep_checkpoints=args.keep_checkpoints,
-        resume=resume, progress=not args.no_progress and ctx.is_main,
-    )
+    try:
+        result = fit(
+            bnn, train_loader, **training, seed=args.seed, device=ctx.device,
+            val_loader=val_loader, val_every=args.val_every,
+            val_samples_per_component=args.val_samples, log_dir=out,
+            checkpoint_dir=out / "checkpoints", keep_checkpoints=args.keep_checkpoints,
+            resume=resume, progress=not args.no_progress and ctx.is_main,
+        )
+    except BayesifyError as err:  # a refused option or resume: the message, no traceback
+        if ctx.is_main:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+        cleanup_distributed()
+        raise SystemExit(2) from None
     final = _final_metrics(bnn, result.history, val_loader, args, ctx, amp, channels_last)
     if ctx.is_main:
-        # run.json lets `bayesify calibrate/evaluate/export --posterior OUT/posterior` rebuild
-        # the base model and the data without repeating the flags
-        run = {"model": args.model, "classes": classes, "data": str(Path(args.data).resolve()),
+        # run.json lets `bayesify calibrate/evaluate/export --posterior OUT` rebuild the base
+        # model and the data without repeating the flags (paths relative to OUT)
+        run = {"model": args.model, "classes": classes, "data": portable_path(args.data, out),
                "image_size": args.image_size, "pretrained": args.pretrained,
-               "checkpoint": (str(Path(args.checkpoint).resolve()) if args.checkpoint
-                              else None), "method": args.method}
-        written = _write_posterior(bnn, out, run)
+               "checkpoint": portable_path(args.checkpoint, out), "method": args.method,
+               "paths": RUN_PATHS}
+        # a randomly initialised base is kept (base.safetensors, as `bayesify fit` does)
+        keep_base = ready["model"] if args.checkpoint is None and not args.pretrained else None
+        written = _write_posterior(bnn, out, run, base=keep_base)
         (out / "final_metrics.json").write_text(json.dumps(final, indent=2))
         written += [out / "args.json", out / "history.jsonl", out / "final_metrics.json",
                     *list_checkpoints(out / "checkpoints")]

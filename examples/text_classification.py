@@ -186,7 +186,7 @@ def train_head(model: SentenceClassifier, train: DataLoader, *, epochs: int,
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--method", default="ibnn", help="posterior family (default: ibnn)")
     parser.add_argument("--per-topic", type=int, default=60,
                         help="labelled sentences per topic (split 60/20/20; default 60)")
@@ -267,10 +267,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seconds": round(time.time() - start, 1),
     }
     (out / "metrics.json").write_text(json.dumps(result, indent=2, default=str))
-    m = result["metrics"]
+    m = {k: "n/a" if v is None else v for k, v in result["metrics"].items()}  # no signal: n/a
     print(f"{args.method}: test accuracy {m['accuracy']:.3f}, NLL {m['nll']:.3f}, "
-          f"ECE {m['ece']:.3f}, OOD AUROC entropy {m['ood_auroc_entropy']:.3f} / "
-          f"MI {m['ood_auroc_mi']:.3f}, T = {result['temperature']:.2f}")
+          f"ECE {m['ece']:.3f}, OOD AUROC entropy {m['ood_auroc_entropy']:.5} / "
+          f"MI {m['ood_auroc_mi']:.5}, T = {result['temperature']:.2f}")
     for p in predictions:
         print(f"  {p['topic']:>10} {p['confidence']:.2f}  MI {p['mutual_information']:.3f}  "
               f"{p['text']}")

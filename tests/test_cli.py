@@ -81,7 +81,7 @@ def test_digits_fit_calibrate_evaluate_export(tmp_path, capsys):
     result = json.loads((run / "evaluate" / "metrics.json").read_text())
     assert result["temperature"] == calibration["temperature"]
     assert result["nll"] == pytest.approx(calibration["test_nll_after"], rel=1e-5)
-    assert {"reliability.png", "entropy_hist.png"} <= {p.name for p in (run / "evaluate").iterdir()}
+    assert {"reliability.png", "uncertainty_hist.png"} <= {p.name for p in (run / "evaluate").iterdir()}
 
     # the same predictor rebuilt by hand agrees with what evaluate and export saw
     base = sources.create_model("digits-cnn", num_classes=5, in_channels=1,

@@ -153,8 +153,8 @@ def test_repr_and_summary():
     text = repr(bnn)
     assert "NodeNoiseLayer" in text and "base_layer" in text and "method=ibnn" in text
     summary = bnn.summary()
-    assert "nodes per component: 19" in summary
-    assert f"posterior values: {2 * 2 * 19}" in summary
+    assert "random nodes per member: 19" in summary
+    assert f"posterior values: {2 * 2 * 19} trainable + 2 state" in summary  # T, noise scale
     assert isinstance(bnn, BayesianModel)
 
 

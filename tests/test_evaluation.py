@@ -101,8 +101,11 @@ def test_ood_auroc_of_separated_scores_and_entropy_cdf():
     expected = 1.0 - (ood["entropy"] / math.log(5)).clamp(0, 1).mean().item()
     assert scores["ood_entropy_cdf_auc"] == pytest.approx(expected)
     # identical distributions: AUROC 1/2 (ties count one half)
-    same = _stats(torch.ones(10), torch.zeros(10))
+    same = _stats(torch.ones(10), torch.linspace(0.0, 1.0, 10))
     assert ood_scores(same, same)["ood_auroc_mi"] == pytest.approx(0.5)
+    # a score that is 0 everywhere (a single network's MI) has no signal: n/a, not 0.5
+    assert ood_scores(_stats(torch.ones(10), torch.zeros(10)),
+                      _stats(torch.ones(10), torch.zeros(10)))["ood_auroc_mi"] is None
 
 
 def test_bootstrap_se_matches_the_standard_error_of_a_mean():
@@ -237,7 +240,7 @@ def test_report_table_and_figures(tmp_path, digits, digits_map):
     assert 0.5 < ood["ood_auroc_entropy"] <= 1.0
     skipped = [r for r in table if r["method"] == "nograd" and r["evaluation"] == "fgsm"]
     assert len(skipped) == 1 and "differentiable" in skipped[0]["note"]
-    for name in ("reliability.png", "entropy_hist.png", "uncertainty_gaussian.png",
+    for name in ("reliability.png", "uncertainty_hist.png", "uncertainty_gaussian.png",
                  "uncertainty_salt_pepper.png", "uncertainty_rotation.png", "fgsm.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000

@@ -196,7 +196,7 @@ def test_single_process_infers_classes_and_validates_once(tmp_path, monkeypatch)
     images = history["images_per_second"] * history["seconds"]
     assert history["steps"] == 3 and images == pytest.approx(9)  # 9 images, nothing dropped
     assert final["n"] == 3 and final["members"] == 2 and final["nll"] == history["val_nll"]
-    assert json.loads((out / "posterior" / "run.json").read_text())["classes"] == [
+    assert json.loads((out / "run.json").read_text())["classes"] == [
         "class0", "class1", "class2"]
     assert not (out / "posterior.incomplete").exists()
 
@@ -234,6 +234,6 @@ def test_script_runs_data_parallel_and_writes_outputs(tmp_path):
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["epoch0001-step00000002.ckpt"]
     from safetensors.torch import load_file
 
-    posterior = load_file(str(out / "posterior" / "posterior.safetensors"))
+    posterior = load_file(str(out / "posterior.safetensors"))
     assert "conv1.mean" in posterior and posterior["conv1.mean"].shape == (2, 3)
     assert json.loads((out / "args.json").read_text())["model"] == "timm:resnet18"

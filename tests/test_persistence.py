@@ -36,7 +36,7 @@ def test_round_trip_on_a_fresh_copy_gives_identical_predictions(saved, digits_ma
     assert sorted(p.name for p in directory.iterdir()) == ["bayesify.json", "posterior.safetensors"]
     fresh = copy.deepcopy(digits_map)
     loaded = load_posterior(fresh, directory)
-    assert loaded.method_name == "ibnn" and loaded.config == bnn.config
+    assert loaded.method_name == "ibnn" and loaded.posterior_config == bnn.posterior_config
     assert loaded.targets == bnn.targets
     for (n1, p1), (n2, p2) in zip(bnn.named_posterior_parameters(), loaded.named_posterior_parameters()):
         assert n1 == n2 and torch.equal(p1, p2)

@@ -70,8 +70,15 @@ class BayesianModel(nn.Module):
 
     # -- structure -------------------------------------------------------------------
     @property
-    def config(self) -> Any:
+    def posterior_config(self) -> Any:
+        """The family's frozen config (also ``bnn.method.config``)."""
         return self.method.config
+
+    @property
+    def config(self) -> Any:
+        """The wrapped network's own ``config`` (Hugging Face models), which libraries
+        such as ``transformers.Trainer`` read and write; ``AttributeError`` without one."""
+        return self.model.config
 
     @property
     def method_name(self) -> str:
@@ -255,24 +262,10 @@ class BayesianModel(nn.Module):
         return model
 
     def summary(self) -> str:
-        """A table of injected layers and posterior sizes."""
-        rows = [("layer", "type", "nodes", "posterior values")]
-        for name, layer in self.bayesian_layers().items():
-            size = sum(p.numel() for p in layer.posterior_parameters())
-            rows.append((name, type(layer.base_layer).__name__, str(layer.num_nodes()), str(size)))
-        total = sum(p.numel() for p in self.posterior_parameters())
-        base = sum(p.numel() for p in self.base_parameters())
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        title = (f"bayesify[{self.method_name}] {type(self.model).__name__}: "
-                 f"{len(rows) - 1} layer(s) wrapped, components={self.method.components}")
-        lines = [title]
-        for r in rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-        lines.append(f"nodes per component: {self.num_nodes()}; posterior values: {total}; "
-                     f"base parameters: {base}")
-        if self.skipped:
-            lines.append(f"skipped: {self.skipped}")
-        return "\n".join(lines)
+        """A table of injected layers, their random variables and posterior sizes."""
+        from bayesify.summary import summarize
+
+        return summarize(self)
 
     def extra_repr(self) -> str:
         return (f"method={self.method_name}, components={self.method.components}, "

@@ -89,7 +89,7 @@ def report(
     ``sweeps``: ``{corruption: levels}`` (default :data:`DEFAULT_SWEEPS`; ``{}`` to
     skip); ``fgsm_epsilons``: ε grid (``None`` to skip); ``clamp``: valid input
     range for FGSM. With ``out_dir`` the table is written to ``report.json`` and the
-    figures ``reliability.png``, ``entropy_hist.png`` (with OOD),
+    figures ``reliability.png``, ``uncertainty_hist.png`` (entropy and MI, ID vs OOD),
     ``uncertainty_<corruption>.png`` and ``fgsm.png``. Returns the tidy table.
     """
     if "test" not in loaders:
@@ -119,7 +119,9 @@ def report(
             scores = ood_scores(stats, ood)
             table.append(_row(name, "ood", 0.0, scores, entropy=scores["ood_entropy"],
                               aleatoric=scores["ood_aleatoric"], epistemic=scores["ood_epistemic"]))
-            histograms[name] = {"in distribution": stats["entropy"], "OOD": ood["entropy"]}
+            histograms[name] = {
+                "in distribution": {"entropy": stats["entropy"], "epistemic": stats["epistemic"]},
+                "OOD": {"entropy": ood["entropy"], "epistemic": ood["epistemic"]}}
         for kind, levels in sweeps.items():
             for r in corruption_sweep(predictor, test_set, kind, levels, seed=seed, n_bins=n_bins):
                 table.append(_row(name, kind, r["level"], r))
@@ -136,7 +138,7 @@ def report(
         (out / "report.json").write_text(json.dumps(table, indent=1))
         metrics.save_reliability_diagram(curves, out / "reliability.png", n_bins)
         if histograms:
-            metrics.save_entropy_histogram(histograms, out / "entropy_hist.png", num_classes)
+            metrics.save_entropy_histogram(histograms, out / "uncertainty_hist.png", num_classes)
         for kind in sweeps:
             save_uncertainty_sweep(table, kind, out / f"uncertainty_{kind}.png")
         if fgsm_epsilons:

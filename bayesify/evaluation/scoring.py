@@ -68,8 +68,8 @@ def ood_scores(
     """
     num_classes = in_stats["probs"].shape[-1]
     return {
-        "ood_auroc_entropy": metrics.auroc(in_stats["entropy"], ood_stats["entropy"]),
-        "ood_auroc_mi": metrics.auroc(in_stats["epistemic"], ood_stats["epistemic"]),
+        "ood_auroc_entropy": metrics.ood_auroc(in_stats["entropy"], ood_stats["entropy"]),
+        "ood_auroc_mi": metrics.ood_auroc(in_stats["epistemic"], ood_stats["epistemic"]),
         "ood_entropy_cdf_auc": metrics.entropy_cdf_auc(ood_stats["entropy"], num_classes),
         "in_entropy_cdf_auc": metrics.entropy_cdf_auc(in_stats["entropy"], num_classes),
         "ood_entropy": ood_stats["entropy"].mean().item(),

@@ -47,8 +47,23 @@ from bayesify.predict.export_inputs import (
 if TYPE_CHECKING:
     from bayesify.predict.predictor import BasePredictor
 
+from bayesify.predict.export_meta import (
+    embed_onnx_metadata,
+    export_metadata,
+    save_pt2,
+    write_metadata_json,
+)
+from bayesify.predict.export_trust import sha256_of, write_sha256
+from bayesify.predict.exported import (  # noqa: F401 - re-exported
+    FORMATS,
+    ExportedOutput,
+    LoadedExport,
+    format_of,
+    load_exported,
+    run_exported,
+)
+
 EPS = 1e-12
-FORMATS = ("pt2", "onnx")
 #: name prefixes of ATen ops that always draw random numbers (rand, randn_like,
 #: normal_, ...): an exported predictor must contain none
 RANDOM_OP_PREFIXES = ("rand", "bernoulli", "normal", "uniform", "multinomial", "exponential",
@@ -242,52 +257,72 @@ def export_predictor(
     path: str | Path,
     example_input: Any,
     *,
-    format: str = "pt2",
+    format: str | None = None,
     verify: bool = True,
     atol: float = 1e-5,
+    class_names: Any = None,
+    preprocessing: Any = "auto",
 ) -> dict[str, Any]:
     """Freeze ``predictor`` (samples + temperature) and save it as ``.pt2`` or ONNX.
 
-    ``example_input``: a tensor ``[B, ...]``, a tuple of input tensors or a mapping
-    (``{"input_ids" [B, N], "attention_mask" [B, N]}``; a ``labels`` entry is
-    dropped). It fixes every non-dynamic dimension; the batch axis, and the token
-    axis of integer ``[B, N]`` inputs, stay dynamic. The saved program takes the
-    same inputs under the same names (``x`` for a single tensor, ``input_i`` for a
-    tuple, the keys of a mapping). With ``verify`` the saved artefact is reloaded
-    and its probs / epistemic must match the in-process predictor to ``atol`` on
-    the example. Returns ``{"path", "format", "method", "members", "temperature",
-    "max_abs_diff", "inputs", "dynamic_axes"}``.
+    The format follows the file name (``.pt2`` → ``torch.export``, ``.onnx`` → ONNX);
+    ``format=`` may only repeat it. ``example_input``: a tensor ``[B, ...]``, a tuple
+    of input tensors or a mapping (``{"input_ids" [B, N], "attention_mask" [B, N]}``; a
+    ``labels`` entry is dropped). It fixes every non-dynamic dimension; the batch axis,
+    and the token axis of integer ``[B, N]`` inputs, stay dynamic. The saved program
+    takes the same inputs under the same names (``x`` for a single tensor, ``input_i``
+    for a tuple, the keys of a mapping).
+
+    The file carries its metadata (:mod:`bayesify.predict.export_meta`: class names —
+    ``class_names=`` or a Hugging Face ``id2label`` —, ``preprocessing`` — ``"auto"``
+    takes a timm model's own, or pass a torchvision transform / a description —, the
+    family, the posterior fingerprint), repeated in ``FILE.json``; ``FILE.sha256`` is
+    its integrity record, checked by :func:`run_exported`. With ``verify`` the saved
+    file is reloaded through the same checks and its probs / epistemic must match the
+    in-process predictor to ``atol`` on the example. Returns ``{"path", "format",
+    "method", "members", "temperature", "max_abs_diff", "inputs", "dynamic_axes",
+    "sha256", "files", "metadata"}``.
     """
-    if format not in FORMATS:
-        raise BayesifyError(f"unknown export format {format!r}; use one of {FORMATS}")
+    fmt = format_of(path, format)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     method = getattr(getattr(predictor, "bnn", None), "method_name", "model")
     example = widen_example(example_batch(example_input).to(predictor.device))
     module = build_exported_predictor(predictor, example)
     program = export_program(module, example, method=method)
+    names = list(InputLayout.of(example).names)
+    with torch.no_grad():
+        num_classes = int(example.call(module)[0].shape[-1])
+    metadata = export_metadata(predictor, fmt=fmt, members=getattr(module, "num_members", 1),
+                               num_classes=num_classes, inputs=names,
+                               dynamic_axes=dynamic_axes(program), class_names=class_names,
+                               preprocessing=preprocessing)
     # write beside the target and rename only once verified: no wrong file is left behind
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
     try:
-        if format == "pt2":
-            torch.export.save(program, str(tmp))
+        if fmt == "pt2":
+            save_pt2(program, tmp, metadata)
         else:
-            _save_onnx(program, tmp, InputLayout.of(example).names)
+            _save_onnx(program, tmp, tuple(names))
+            embed_onnx_metadata(tmp, metadata)
+        digest = sha256_of(tmp.read_bytes())
         diff = _verify(predictor, tmp, example, method=method, atol=atol) if verify else None
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return {"path": str(path), "format": format, "method": method,
-            "members": getattr(module, "num_members", 1), "temperature": float(predictor.temperature),
-            "max_abs_diff": diff, "inputs": list(InputLayout.of(example).names),
-            "dynamic_axes": dynamic_axes(program)}
+    files = [path, write_metadata_json(path, metadata), write_sha256(path, digest)]
+    return {"path": str(path), "format": fmt, "method": method,
+            "members": metadata["members"], "temperature": float(predictor.temperature),
+            "max_abs_diff": diff, "inputs": names, "dynamic_axes": metadata["dynamic_axes"],
+            "sha256": digest, "files": [str(f) for f in files], "metadata": metadata}
 
 
 def _verify(predictor: BasePredictor, path: Path, example: Batch, *, method: str,
             atol: float) -> float:
-    """Max |difference| of probs / epistemic between the saved file and ``predictor``."""
+    """Max |difference| of probs / epistemic between the saved file and ``predictor``
+    (the file is read back through :class:`LoadedExport`'s archive checks)."""
     reference = example.call(predictor)
-    probs, epistemic = run_exported(path, example)
+    probs, epistemic = example.call(LoadedExport(path, check_sha256=False))
     diff = max((probs.cpu() - reference.probs.cpu()).abs().max().item(),
                (epistemic.cpu() - reference.epistemic.cpu()).abs().max().item())
     if not diff <= atol:
@@ -309,53 +344,3 @@ def _save_onnx(program: torch.export.ExportedProgram, path: Path, names: tuple[s
             "ONNX export needs onnx and onnxscript: pip install 'bayesify[export]'"
         ) from err
     onnx_program.save(str(path))
-
-
-def _numpy_input(t: torch.Tensor) -> Any:
-    t = t.detach().cpu()
-    if t.is_floating_point():
-        t = t.float()
-    elif t.dtype != torch.bool:
-        t = t.long()
-    return t.numpy()
-
-
-def run_exported(path: str | Path, *inputs: Any, **named: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(probs, epistemic)`` of a saved ``.pt2`` (torch, on the inputs' device) or
-    ``.onnx`` (onnxruntime, CPU).
-
-    Inputs as at export: ``run_exported(path, x)``, ``run_exported(path, mapping)``,
-    ``run_exported(path, *tensors)`` or ``run_exported(path, **mapping)``.
-    """
-    path = Path(path)
-    if len(inputs) == 1 and not named:
-        batch = example_batch(inputs[0])
-    elif inputs or named:
-        batch = Batch(tuple(inputs), dict(named), None)
-    else:
-        raise BayesifyError("run_exported needs the inputs the program was exported with")
-    batch = Batch(tuple(a.detach() for a in batch.args),
-                  {k: v.detach() for k, v in batch.kwargs.items() if isinstance(v, torch.Tensor)})
-    layout = InputLayout.of(batch)
-    tensors = layout.tensors(batch)
-    if path.suffix == ".onnx":
-        try:
-            import onnxruntime
-        except ImportError as err:
-            raise BayesifyError("running an ONNX export needs onnxruntime: "
-                                "pip install 'bayesify[export]'") from err
-        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        wanted = [i.name for i in session.get_inputs()]
-        given = dict(zip(layout.names, tensors))
-        if len(wanted) == 1 and len(given) == 1:  # files written before inputs were named
-            given = {wanted[0]: next(iter(given.values()))}
-        missing = [n for n in wanted if n not in given]
-        if missing:
-            raise BayesifyError(f"the ONNX program takes inputs {wanted}; missing {missing}")
-        probs, epistemic = session.run(None, {n: _numpy_input(given[n]) for n in wanted})
-        return torch.from_numpy(probs), torch.from_numpy(epistemic)
-    module = torch.export.load(str(path)).module()
-    args, kwargs = layout.call_inputs(batch)
-    with torch.no_grad():
-        probs, epistemic = module(*args, **kwargs)
-    return probs, epistemic

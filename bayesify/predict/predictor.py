@@ -51,8 +51,9 @@ class BasePredictor:
 
         return calibrate(self, val_loader, method=method, **kwargs)
 
-    def export(self, path: Any, example_input: Any, format: str = "pt2", **kwargs: Any) -> Any:
-        """Save a plain ``x → (probs, epistemic)`` module; see ``bayesify.predict.export``."""
+    def export(self, path: Any, example_input: Any, format: str | None = None, **kwargs: Any) -> Any:
+        """Save a plain ``x → (probs, epistemic)`` module (format from the suffix, metadata and
+        a sha256 record with it); see ``bayesify.predict.export``."""
         from bayesify.predict.export import export_predictor
 
         return export_predictor(self, path, example_input, format=format, **kwargs)
@@ -87,8 +88,8 @@ class BasePredictor:
                                     labels=False)
             num_classes = int(stats["num_classes"])
             out.update({
-                "ood_auroc_entropy": metrics.auroc(stats["entropy"], ood["entropy"]),
-                "ood_auroc_mi": metrics.auroc(stats["epistemic"], ood["epistemic"]),
+                "ood_auroc_entropy": metrics.ood_auroc(stats["entropy"], ood["entropy"]),
+                "ood_auroc_mi": metrics.ood_auroc(stats["epistemic"], ood["epistemic"]),
                 "ood_entropy": ood["entropy"].mean().item(),
                 "ood_entropy_cdf_auc": metrics.entropy_cdf_auc(ood["entropy"], num_classes),
             })

@@ -328,7 +328,7 @@ def identity(bnn: BayesianModel) -> dict[str, Any]:
     """What must match between a checkpoint and the model it is loaded into."""
     return {
         "method": bnn.method_name,
-        "config": json.loads(json.dumps(bnn.config.to_dict(), default=str)),
+        "config": json.loads(json.dumps(bnn.method.config.to_dict(), default=str)),
         "targets": list(bnn.targets),
         "posterior_shapes": {n: list(p.shape) for n, p in bnn.named_posterior_parameters()},
         "base_fingerprint": base_fingerprint(bnn),

@@ -66,6 +66,16 @@ def _value(text: str) -> Any:
         return text
 
 
+def first_sentence(text: str, limit: int = 120) -> str:
+    """The first sentence of a help text (``--help`` stays short; the full text is in
+    ``bayesify methods NAME``)."""
+    import re
+
+    match = re.search(r"(?<!e\.g)(?<!i\.e)(?<!\bvs)\.\s+(?=[A-Z(`'])", text)
+    first = text[:match.start() + 1] if match else text
+    return first if len(first) <= limit else first[:limit].rsplit(" ", 1)[0] + " …"
+
+
 def _show(default: Any) -> str:
     if isinstance(default, tuple):
         return " ".join(json.dumps(v) for v in default) or "(none)"
@@ -87,12 +97,13 @@ def add_family_options(parser: argparse.ArgumentParser, method: str, *,
     group = parser.add_argument_group(
         f"options of --method {method} ({cls.__name__}; unset = the default shown)")
     flags: dict[str, str] = {}
+    group.description = (f"the first sentence of each; `bayesify methods {method}` prints "
+                         "them in full")
     for name, default, help_text in cls.describe():
         flag = family_flag(method, name, taken)
-        text = f"{help_text or name} (default: {_show(default)})"
+        text = f"{first_sentence(help_text or name)} (default: {_show(default)})"
         if flag != "--" + name.replace("_", "-"):
-            text += (f" [config field {name!r}, prefixed: --{name.replace('_', '-')} is a "
-                     "trainer option]")
+            text += f" [config field {name!r}]"
         kwargs: dict[str, Any] = {"dest": FAMILY_DEST + name, "default": argparse.SUPPRESS,
                                   "help": text if show else argparse.SUPPRESS}
         if isinstance(default, bool):
@@ -141,6 +152,16 @@ def check_family_options(method: str, options: dict[str, Any]) -> Any:
         raise BayesifyError(f"invalid option for method {method!r}: {err}") from err
 
 
+def family_help_only(parser: argparse.ArgumentParser, prog: str) -> None:
+    """``--method NAME --help`` lists that family's options: every other flag stays parseable
+    but leaves the help (``prog --help`` lists them), so the page is the family's."""
+    for action in parser._actions:
+        if not action.dest.startswith(FAMILY_DEST) and action.dest not in ("help", "method"):
+            action.help = argparse.SUPPRESS
+    parser.epilog = (f"the common flags (model, data, training, output) are listed by "
+                     f"`{prog} --help`; `bayesify methods` describes every family.")
+
+
 def families_epilog(prog: str) -> str:
     """The generic help's pointer to the per-family help."""
     from bayesify.core.registry import list_methods
@@ -181,6 +202,69 @@ def image_folder_loaders(
             DataLoader(val, batch_size=eval_batch_size or plan.batch_size, shuffle=False,
                        **common),
             train.classes)
+
+
+# -- the run directory: one layout for `bayesify fit --out` and the script ----------------
+#: ``run.json["paths"]``: relative paths in the record are relative to its directory
+RUN_PATHS = "relative to this run directory"
+
+
+def portable_path(value: str | None, run_dir: str | Path) -> str | None:
+    """``value`` relative to ``run_dir`` when it names an existing file or folder (a run
+    directory can then move with its data); anything else (``digits``, None) unchanged."""
+    import os
+
+    if value is None or not Path(value).exists():
+        return value
+    return os.path.relpath(Path(value).resolve(), Path(run_dir).resolve())
+
+
+def run_path(run: dict[str, Any], key: str, run_dir: Path) -> str | None:
+    """``run[key]`` as a usable path: resolved against ``run_dir`` in records that say
+    their paths are relative (:data:`RUN_PATHS`); older records are read as written."""
+    value = run.get(key)
+    if value is None or run.get("paths") != RUN_PATHS or Path(value).is_absolute():
+        return value
+    candidate = run_dir / value
+    return str(candidate) if candidate.exists() else value
+
+
+def install_files(staging: Path, out: Path) -> list[Path]:
+    """Move every file of ``staging`` into ``out`` (one rename each), remove ``staging``."""
+    import os
+    import shutil
+
+    moved = []
+    for src in sorted(p for p in staging.rglob("*") if p.is_file()):
+        dst = out / src.relative_to(staging)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, dst)
+        moved.append(dst)
+    shutil.rmtree(staging, ignore_errors=True)
+    return moved
+
+
+def check_resume_batch(resume: str | Path, *, batch_size: int, world_size: int) -> None:
+    """Refuse, before anything runs, a resume whose global batch differs from the
+    checkpoint's (data order and steps per epoch depend on it), naming the
+    ``--batch-size`` that matches with this many processes."""
+    from bayesify.train.checkpoint import load_resumable
+
+    path, payload = load_resumable(resume)
+    meta = payload.get("meta", {})
+    saved = meta.get("options", {}).get("global_batch_size")
+    if saved is None or int(saved) == batch_size * world_size:
+        return
+    saved, saved_world = int(saved), int(meta.get("world_size") or 1)
+    hint = (f"pass --batch-size {saved // world_size} to resume with {world_size} process(es)"
+            if saved % world_size == 0 else
+            f"no per-process batch gives {saved} with {world_size} processes; launch "
+            f"{saved_world}")
+    raise BayesifyError(
+        f"checkpoint {path.name} was written with a global batch of {saved} ({saved_world} "
+        f"process(es) × {saved // saved_world}); this run has {world_size} process(es) × "
+        f"--batch-size {batch_size} = {batch_size * world_size}: {hint} (or --resume none to "
+        "start over)")
 
 
 def save_posterior_files(bnn: Any, directory: str | Path, *,

@@ -10,6 +10,8 @@ from bayesify.core.rank_one import INIT_CHOICES
 
 @dataclass(frozen=True)
 class BatchEnsembleConfig(MethodConfig):
+    """Deterministic rank-1 fast weights, K members sharing one network (Wen et al. 2020)."""
+
     components: int = option(
         4, "K: ensemble members (fast-weight pairs r_k, s_k per layer); the paper's 4.")
     init: str = option(

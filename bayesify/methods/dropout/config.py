@@ -11,6 +11,8 @@ GRANULARITIES = ("element", "channel")
 
 @dataclass(frozen=True)
 class DropoutConfig(MethodConfig):
+    """MC dropout before every target layer, kept on at prediction (Gal & Ghahramani)."""
+
     p: float = option(
         0.05, "Dropout rate before every target layer (kept active at prediction). A pretrained "
         "network was rarely trained with dropout everywhere: 5 per cent keeps a one-epoch fine-tune "

@@ -11,6 +11,8 @@ HEAD_INITS = ("random", "pretrained")
 
 @dataclass(frozen=True)
 class EnsembleConfig(MethodConfig):
+    """Deep ensemble of M weight copies (or a cyclic-LR snapshot ensemble), one tiled module."""
+
     components: int = option(
         4, "M: ensemble members (weight copies of every target layer); 4 keeps the cost at 4 "
         "forward passes.")

@@ -13,6 +13,8 @@ NOISE_MODES = ("independent", "shared")
 
 @dataclass(frozen=True)
 class HypernetConfig(WeightPriorConfig):
+    """Bayes by Hypernet: a weight generator per layer, nearest-neighbour KL (Pawlowski et al.)."""
+
     samples: int = option(
         2, "S: weight samples per training step (every example repeated S times; every "
         "sample's likelihood counts)."

@@ -9,6 +9,8 @@ from bayesify.core.config import MethodConfig, option, require
 
 @dataclass(frozen=True)
 class IBNNConfig(MethodConfig):
+    """Implicit BNN: multiplicative node noise, a K-component Gaussian mixture (Trinh et al.)."""
+
     components: int = option(
         4, "K: mixture components of q(z) (an ensemble of K); 4 is the paper's smallest "
         "setting and costs 4× a forward pass per example at prediction.")

@@ -14,6 +14,8 @@ PRIOR_METHODS = ("auto", "marglik", "val_nll", "fixed")
 
 @dataclass(frozen=True)
 class LaplaceConfig(MethodConfig):
+    """Laplace around the pretrained weights, last-layer Kron/diag/full GGN (Daxberger et al.)."""
+
     targets: Any = option(
         "last_layer", "Layers under the posterior: 'last_layer' (default; kron/diag/full) or any "
         "subnetwork ('all', 'last:K', names) with structure='diag'."

@@ -14,6 +14,8 @@ KL_WEIGHTINGS = ("uniform", "blundell")
 
 @dataclass(frozen=True)
 class MeanFieldConfig(WeightPriorConfig):
+    """Bayes by Backprop: a Gaussian per weight around the pretrained weights (Blundell et al.)."""
+
     prior: str = option(
         "gaussian",
         "Weight prior: 'gaussian' N(0, σ²) (default), 'relative' N(w₀, (σ·max(|w₀|, floor))²), "

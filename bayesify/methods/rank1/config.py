@@ -10,6 +10,8 @@ from bayesify.core.rank_one import INIT_CHOICES
 
 @dataclass(frozen=True)
 class Rank1Config(MethodConfig):
+    """Rank-1 BNN: Gaussian rank-1 factors W∘(s rᵀ), K members (Dusenberry et al. 2020)."""
+
     components: int = option(
         4, "K: ensemble members (rank-1 factor pairs r_k, s_k per layer); the paper's 4.")
     predict_samples: int = option(

@@ -11,6 +11,8 @@ VARIANTS = ("swa", "diag", "swag")
 
 @dataclass(frozen=True)
 class SWAGConfig(MethodConfig):
+    """SWA / SWAG-diag / SWAG: a Gaussian fitted to the SGD iterates (Maddox et al.)."""
+
     variant: str = option(
         "swag", "'swa' (the running mean only), 'diag' (SWAG-diagonal) or 'swag' "
         "(diagonal + low-rank covariance)."

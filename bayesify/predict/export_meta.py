@@ -1,0 +1,134 @@
+"""What an export says about itself, and where it says it.
+
+An exported predictor carries a metadata record (:func:`export_metadata`)::
+
+    {"bayesify_export": 1, "bayesify_version", "torch_version", "format",
+     "method", "members", "temperature", "num_classes", "class_names",
+     "preprocessing", "inputs", "dynamic_axes", "outputs": ["probs", "epistemic"],
+     "posterior_fingerprint", "base_fingerprint"}
+
+``class_names``: given, else the wrapped Hugging Face model's ``config.id2label``
+(unless it is the generic ``LABEL_i``), else ``None``. ``preprocessing``: see
+:mod:`bayesify.predict.preprocessing` (``"auto"``: a timm model's own). The
+fingerprints are sha256 over the posterior tensors (MAP: the model's state) and
+over the base weights as they were wrapped, as in ``save_posterior``.
+
+The record lives inside the file — ``extra/bayesify.json`` of the ``.pt2``
+(``torch.export.save(extra_files=...)``) and the ONNX ``metadata_props`` (key
+``bayesify``, plus ``class_names`` and ``preprocessing`` on their own) — so the
+sha256 record covers it, and beside it as ``FILE.json`` for people and tools that
+do not open the archive.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bayesify.errors import BayesifyError
+from bayesify.predict.preprocessing import resolve_preprocessing
+
+if TYPE_CHECKING:
+    from bayesify.predict.predictor import BasePredictor
+
+METADATA_NAME = "bayesify.json"
+METADATA_VERSION = 1
+JSON_SUFFIX = ".json"
+
+
+def _wrapped_model(predictor: BasePredictor) -> torch.nn.Module | None:
+    bnn = getattr(predictor, "bnn", None)
+    if bnn is not None:
+        return bnn.model
+    models = getattr(predictor, "models", None)
+    return models[0] if models else None
+
+
+def default_class_names(predictor: BasePredictor) -> list[str] | None:
+    """``config.id2label`` of a Hugging Face model, unless it is the generic LABEL_i."""
+    config = getattr(_wrapped_model(predictor), "config", None)
+    labels = getattr(config, "id2label", None)
+    if not isinstance(labels, dict) or not labels:
+        return None
+    names = [str(labels[i]) for i in sorted(labels, key=int)]
+    return None if names == [f"LABEL_{i}" for i in range(len(names))] else names
+
+
+def posterior_fingerprint(predictor: BasePredictor) -> tuple[str, str | None]:
+    """``(posterior fingerprint, base fingerprint)``; MAP: the model's state, no base."""
+    from bayesify.persistence import fingerprint
+
+    bnn = getattr(predictor, "bnn", None)
+    if bnn is not None:
+        return fingerprint(bnn.posterior_tensors()), bnn.base_fingerprint
+    state = {f"{i}.{k}": v for i, m in enumerate(getattr(predictor, "models", []))
+             for k, v in m.state_dict().items()}
+    return fingerprint(state), None
+
+
+def export_metadata(predictor: BasePredictor, *, fmt: str, members: int, num_classes: int,
+                    inputs: list[str], dynamic_axes: dict[str, list[int]],
+                    class_names: Any = None, preprocessing: Any = "auto") -> dict[str, Any]:
+    """The metadata record of one export (see the module docstring)."""
+    from bayesify import __version__
+
+    names = default_class_names(predictor) if class_names is None else [str(c) for c in class_names]
+    if names is not None and len(names) != num_classes:
+        raise BayesifyError(f"class_names has {len(names)} entries but the predictor has "
+                            f"{num_classes} classes")
+    method = getattr(getattr(predictor, "bnn", None), "method_name", "map")
+    fingerprint, base = posterior_fingerprint(predictor)
+    return {
+        "bayesify_export": METADATA_VERSION, "bayesify_version": __version__,
+        "torch_version": torch.__version__.split("+")[0], "format": fmt, "method": method,
+        "members": int(members), "temperature": float(predictor.temperature),
+        "num_classes": int(num_classes), "class_names": names,
+        "preprocessing": resolve_preprocessing(preprocessing, _wrapped_model(predictor)),
+        "inputs": list(inputs), "dynamic_axes": dynamic_axes, "outputs": ["probs", "epistemic"],
+        "posterior_fingerprint": fingerprint, "base_fingerprint": base,
+    }
+
+
+def save_pt2(program: torch.export.ExportedProgram, path: Path, metadata: dict[str, Any]) -> None:
+    """``torch.export.save`` with the metadata as ``extra/bayesify.json`` (written through a
+    buffer, so the archive's root folder does not carry the temporary file's name)."""
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        # torch warns when frozen member tables share one storage; the payload is complete
+        warnings.filterwarnings("ignore", message="No complete tensor found in the group")
+        torch.export.save(program, buffer, extra_files={METADATA_NAME: json.dumps(metadata)})
+    path.write_bytes(buffer.getvalue())
+
+
+def embed_onnx_metadata(path: Path, metadata: dict[str, Any]) -> None:
+    """Add the record to the ONNX model's ``metadata_props`` (in place)."""
+    import onnx
+
+    model = onnx.load(str(path))
+    props = {"bayesify": json.dumps(metadata),
+             "class_names": json.dumps(metadata["class_names"]),
+             "preprocessing": json.dumps(metadata["preprocessing"]),
+             "bayesify_method": metadata["method"],
+             "posterior_fingerprint": metadata["posterior_fingerprint"]}
+    kept = [p for p in model.metadata_props if p.key not in props]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    for key, value in props.items():
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, str(path))
+
+
+def json_path(path: Path) -> Path:
+    return path.with_name(path.name + JSON_SUFFIX)
+
+
+def write_metadata_json(path: Path, metadata: dict[str, Any]) -> Path:
+    """``FILE.json``: the same record beside the file."""
+    target = json_path(path)
+    target.write_text(json.dumps(metadata, indent=2))
+    return target
