@@ -432,12 +432,15 @@ def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any
 def _num_classes(bnn: BayesianModel, batch: Any) -> int:
     """Classes of the model's output, from one row of a batch in eval mode."""
     from bayesify.core.method import call_model, logits_of
+    from bayesify.core.outputs import check_not_probabilities
 
     was_training = bnn.training
     bnn.eval()
     try:
         with bnn.deterministic():
-            return int(logits_of(call_model(bnn.model, batch.rows(slice(0, 1)).model_input())).shape[-1])
+            logits = logits_of(call_model(bnn.model, batch.rows(slice(0, 4)).model_input()))
+            check_not_probabilities(logits, where="fit")
+            return int(logits.shape[-1])
     finally:
         bnn.train(was_training)
 
