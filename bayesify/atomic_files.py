@@ -1,8 +1,8 @@
 """Crash-safe file writes shared by posterior saves and training checkpoints.
 
-- :func:`write_temp`: bytes (or a writer) into a *fresh, uniquely named* file
-  created with ``O_EXCL`` (``tempfile.mkstemp``) in the target directory, flushed
-  and fsync'ed. No fixed temporary name is ever used, so a symlink planted at a
+- :func:`write_temp`: bytes (or a writer) into a *fresh, randomly named* file
+  created with ``O_EXCL | O_NOFOLLOW`` in the target directory, flushed and
+  fsync'ed. No fixed temporary name is ever used, so a symlink planted at a
   predictable name cannot redirect a write, and two writers never share a file.
 - :func:`replace`: ``os.replace`` + fsync of the directory (the rename is durable).
   Renaming onto a symlink replaces the link itself, never its target.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
@@ -46,11 +46,22 @@ def write_temp(directory: str | os.PathLike, data: bytes | Callable[[IO[bytes]],
                prefix: str, suffix: str = ".tmp") -> Path:
     """A new file ``directory/PREFIX<random>SUFFIX`` holding ``data``, fsync'ed.
 
-    ``data`` is bytes or a function writing into the open binary file. The file is
-    removed again if writing fails.
+    Created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random name (like
+    ``tempfile.mkstemp``, but with the usual ``0o666 & ~umask`` permissions, so a
+    saved posterior is as readable as any other file). ``data`` is bytes or a
+    function writing into the open binary file. Removed again if writing fails.
     """
-    fd, name = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
-    path = Path(name)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    flags |= getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        path = Path(directory) / f"{prefix}{secrets.token_hex(8)}{suffix}"
+        try:
+            fd = os.open(path, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+    else:  # pragma: no cover - 100 collisions of 64 random bits
+        raise FileExistsError(f"no free temporary name in {directory}")
     try:
         with os.fdopen(fd, "wb") as fh:
             if callable(data):

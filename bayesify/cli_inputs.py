@@ -293,6 +293,12 @@ class StagedOutput:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
         if exc_type is None and self.main:
+            from bayesify.persistence import MANIFEST_FILE, TENSOR_FILE
+            from bayesify.posterior_commit import move_posterior
+
+            if (self.dir / MANIFEST_FILE).is_file() and (self.dir / TENSOR_FILE).is_file():
+                move_posterior(self.dir, self.out)  # one atomic commit, not two renames
+                self.files += [self.out / TENSOR_FILE, self.out / MANIFEST_FILE]
             for src in sorted(p for p in self.dir.rglob("*") if p.is_file()):
                 dst = self.out / src.relative_to(self.dir)
                 dst.parent.mkdir(parents=True, exist_ok=True)
