@@ -15,7 +15,8 @@ import torch
 
 from bayesify.errors import BayesifyError
 
-__all__ = ["check_finite_inputs", "check_finite_logits", "check_labels", "check_nonempty"]
+__all__ = ["check_finite_batch", "check_finite_inputs", "check_finite_logits", "check_labels",
+           "check_nonempty"]
 
 
 def check_labels(labels: Any, num_classes: int | None, *, where: str) -> torch.Tensor:
@@ -77,6 +78,22 @@ def check_finite_inputs(inputs: Any, *, where: str) -> None:
                 f"{where}: {name} holds {nan} NaN and {inf} infinite values{rows} "
                 f"(shape {tuple(tensor.shape)}); clean or drop those examples first"
             )
+
+
+def check_finite_batch(inputs: Any, *, where: str,
+                       error: type[BayesifyError] = BayesifyError) -> None:
+    """:func:`check_finite_inputs` of a tensor or a :class:`~bayesify.core.batch.Batch`
+    (its positional and keyword inputs; labels are checked by :func:`check_labels`)."""
+    args = getattr(inputs, "args", None)
+    if args is not None:  # a Batch: its positional inputs, then its keyword inputs
+        kwargs = inputs.kwargs
+        inputs = args[0] if len(args) == 1 and not kwargs else [*args, kwargs]
+    try:
+        check_finite_inputs(inputs, where=where)
+    except BayesifyError as err:
+        if error is BayesifyError:
+            raise
+        raise error(str(err)) from None
 
 
 def check_finite_logits(logits: torch.Tensor, *, where: str) -> None:

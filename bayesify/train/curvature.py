@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bayesify.core.batch import BatchFn, iter_batches
+from bayesify.core.checks import check_finite_batch
 from bayesify.errors import BayesifyError
 from bayesify.train.distributed import DistContext, all_reduce_sum
 from bayesify.train.evaluate import shard_loader
@@ -73,6 +74,7 @@ def fit_curvature(
     with torch.no_grad():
         for batch in iter_batches(shard, device=bnn.device, batch_fn=batch_fn):
             labels = batch.require_labels("fit")
+            check_finite_batch(batch, where=f"fit (curvature pass, batch {batches})")
             method.accumulate(bnn, batch.model_input(), labels)
             examples += batch.size
             batches += 1
