@@ -155,8 +155,8 @@ def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
     if bad:
         raise BayesifyError(
             f"refusing to save the posterior of {bnn.method_name!r}: {bad[:5]}"
-            f"{'…' if len(bad) > 5 else ''} hold NaN/inf (a diverged fit or poisoned "
-            f"statistics); nothing was written to {directory}")
+            f"{'…' if len(bad) > 5 else ''} hold NaN/inf or overflowing values (a diverged fit or "
+            f"poisoned statistics); nothing was written to {directory}")
     # safetensors refuses views / shared storage: store independent contiguous copies
     cpu = {k: v.to("cpu", copy=True).contiguous() for k, v in tensors.items()}
     data = serialise(cpu, metadata={"format": FORMAT})
@@ -168,9 +168,11 @@ def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
 
 
 def unusable_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """Names of floating tensors holding NaN or ±inf."""
-    return [name for name, t in tensors.items()
-            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    """Names of floating tensors holding NaN, ±inf or overflowing values
+    (:func:`bayesify.core.checks.unusable`)."""
+    from bayesify.core.checks import unusable
+
+    return [name for name, t in tensors.items() if unusable(t)]
 
 
 def dtype_record(bnn: BayesianModel) -> dict[str, Any]:

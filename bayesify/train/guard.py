@@ -24,39 +24,19 @@ Checkpoint and posterior writers refuse unusable tensors in *every* section
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bayesify.core.checks import unusable
 from bayesify.errors import NonFiniteLossError
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
 __all__ = ["StepGuard", "step_guard", "unusable", "unusable_names"]
-
-#: headroom below the dtype's largest value: a tensor beyond it overflows at the next
-#: product or square (a BatchNorm variance of 1e35 is not a statistic)
-_HEADROOM = 2.0**-20
-
-
-def _limit(dtype: torch.dtype) -> float:
-    info = torch.finfo(dtype)
-    # fp16 has too little range for headroom to mean anything: only inf/NaN there
-    return info.max * _HEADROOM if info.max > 1e30 else float("inf")
-
-
-def unusable(tensor: torch.Tensor) -> bool:
-    """A floating tensor holding NaN, ±inf or a magnitude beyond the dtype's headroom."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return False
-    t = tensor.detach()
-    if not bool(torch.isfinite(t).all()):
-        return True
-    limit = _limit(t.dtype)
-    return limit != float("inf") and bool(t.abs().max() > limit)
-
 
 def unusable_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of the unusable tensors of ``(name, tensor)`` pairs."""
@@ -124,6 +104,20 @@ def _copy_into(copies: list[torch.Tensor], tensors: list[torch.Tensor]) -> list[
         with torch.no_grad():
             torch._foreach_copy_(copies, [t.detach() for t in tensors])
     return copies
+
+
+@contextlib.contextmanager
+def buffers_restored_on_error(bnn: BayesianModel) -> Iterator[None]:
+    """Every buffer of ``bnn`` is put back when the block raises (a curvature pass that
+    fails half-way leaves no half-accumulated curvature behind)."""
+    saved = [(b, b.detach().clone()) for b in bnn.buffers()]
+    try:
+        yield
+    except BaseException:
+        with torch.no_grad():
+            for buffer, copy in saved:
+                buffer.copy_(copy)
+        raise
 
 
 def step_guard(state: Any) -> StepGuard:
