@@ -11,6 +11,9 @@ Usage: ``save_kill.py MODE DIR [N]`` with MODE
   after a random delay, then load.
 - ``concurrent``: N forked children save their own posterior into DIR at the same
   time (several rounds); then load.
+- ``ckpt-points``: like ``points`` for training checkpoints: checkpoint A is written,
+  then a child writes checkpoint B (the next step) and prunes A as ``fit`` does
+  (``keep_checkpoints=1``); after each kill ``resume=DIR`` must find A or B.
 
 Prints one JSON line: ``{"tries": ..., "loaded": ..., "a": ..., "b": ..., "failures": [...]}``.
 Forking (after ``torch.set_num_threads(1)``) avoids importing torch once per try.
@@ -168,6 +171,52 @@ def concurrent(directory: Path, writers: int) -> dict:
     return summarise(outcomes)
 
 
+def _checkpoint(step: int) -> dict:
+    from bayesify.train.checkpoint import FORMAT, VERSION, content_checksum
+
+    generator = torch.Generator().manual_seed(step)
+    payload = {"format": FORMAT, "version": VERSION,
+               "meta": json.dumps({"epoch": 0, "step": step, "global_step": step}),
+               "posterior": {"w": torch.randn(64, 64, generator=generator)}, "base": {},
+               "buffers": {"bn.running_var": torch.rand(8, generator=generator)},
+               "optimizer": {}, "rng": [{"cpu": torch.get_rng_state(),
+                                          "noise": generator.get_state()}]}
+    payload["checksum"] = content_checksum(payload)
+    return payload
+
+
+def checkpoint_points(directory: Path) -> dict:
+    from bayesify.train.checkpoint import atomic_save, checkpoint_name, load_resumable, prune
+
+    def write(step: int) -> None:
+        atomic_save(_checkpoint(step), directory / checkpoint_name(0, step))
+        prune(directory, 1)
+
+    def loaded() -> str:
+        try:
+            _path, payload = load_resumable(directory)
+        except Exception as err:  # noqa: BLE001 - reported
+            return f"error: {type(err).__name__}: {err}"
+        return {1: "a", 2: "b"}.get(payload["meta"]["global_step"], "error: another step")
+
+    outcomes, k = [], 0
+    while True:
+        for path in directory.glob("*") if directory.is_dir() else []:
+            path.unlink()
+        write(1)
+        pid = os.fork()
+        if pid == 0:
+            _Killer(k).install()
+            write(2)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        outcomes.append(loaded())
+        if os.waitstatus_to_exitcode(status) == 0:
+            break
+        k += 1
+    return summarise(outcomes)
+
+
 def summarise(outcomes: list[str]) -> dict:
     failures = [o for o in outcomes if o.startswith("error")]
     counts = {name: outcomes.count(name) for name in sorted(set(outcomes)) if len(name) == 1}
@@ -180,5 +229,6 @@ if __name__ == "__main__":
     count = int(sys.argv[3]) if len(sys.argv) > 3 else 5
     run = {"points": lambda: kill_points(directory),
            "sigkill": lambda: sigkill_loop(directory, count),
-           "concurrent": lambda: concurrent(directory, count)}[mode]
+           "concurrent": lambda: concurrent(directory, count),
+           "ckpt-points": lambda: checkpoint_points(directory)}[mode]
     print(json.dumps(run()), flush=True)
