@@ -242,7 +242,10 @@ def load_predictor(args: argparse.Namespace, model: Any) -> Any:
     if args.temperature is not None:
         predictor.temperature = float(args.temperature)
     elif args.posterior is not None and calibration.is_file():
-        predictor.temperature = float(read_json(calibration)["temperature"])
+        from bayesify.predict.calibration import read_calibration_file
+
+        # checked: finite and > 0, and fitted on this posterior (a stale file is refused)
+        predictor.temperature = read_calibration_file(calibration, args.posterior)
     return predictor
 
 

@@ -217,13 +217,9 @@ def _final_metrics(bnn: Any, history: list[dict], val_loader: Any, args: argpars
 
 
 def _write_posterior(bnn: Any, out: Path, extra: dict[str, Any]) -> list[Path]:
-    """``OUT/posterior`` written as ``posterior.incomplete`` first, renamed when complete."""
-    staging, final = out / "posterior.incomplete", out / "posterior"
-    shutil.rmtree(staging, ignore_errors=True)
-    files = save_posterior_files(bnn, staging, extra=extra)
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
-    return [final / f.name for f in files]
+    """``OUT/posterior``: ``save_posterior`` commits atomically (a kill leaves the previous
+    posterior or the new one, never neither), then ``run.json``."""
+    return save_posterior_files(bnn, out / "posterior", extra=extra)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -232,6 +228,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser(method if method in list_methods() else "ibnn", show_family=given)
     args = parser.parse_args(argv)
     rank0 = os.environ.get("RANK", "0") == "0"
+    # seeded before the model is built: without --pretrained the same command must build the
+    # same network (a randomly initialised head), or resuming is refused as another base
+    torch.manual_seed(args.seed)
     try:
         ready = preflight(args)
     except BayesifyError as err:

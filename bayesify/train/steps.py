@@ -27,6 +27,7 @@ from bayesify.core.batch import Batch
 from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train.distributed import DistContext, all_reduce_mean
 from bayesify.train.guard import refuse_unusable_step, step_guard
+from bayesify.train.intent import trainable_base_parameters
 from bayesify.train.loss import nll_and_kl
 from bayesify.train.schedules import beta_schedule, lr_factor
 
@@ -114,9 +115,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Posterior group(s) from the family (large LR, no weight decay) + base group if ``base_lr > 0``."""
     groups = bnn.method.param_groups(bnn, lr=lr, weight_decay=weight_decay)
-    if base_lr > 0:
-        bnn.set_base_trainable(True)
-        groups.append({"params": bnn.base_parameters(), "lr": base_lr,
+    if base_lr > 0:  # only what the user left trainable (bayesify.train.intent)
+        groups.append({"params": trainable_base_parameters(bnn), "lr": base_lr,
                        "weight_decay": base_weight_decay, "name": "base"})
     else:
         bnn.set_base_trainable(False)
