@@ -6,7 +6,8 @@ The rule (:func:`logits_of`), applied to whatever the wrapped network returns:
 - an object with a ``.logits`` attribute (Hugging Face ``ModelOutput``) or a mapping
   with a ``"logits"`` key: that entry;
 - a tuple / list of exactly one tensor: that tensor;
-- anything else is refused with a :class:`TypeError` / :class:`BayesifyError` that
+- anything else is refused with a :class:`~bayesify.errors.ModelOutputError` (both a
+  :class:`BayesifyError` and a ``TypeError``) that
   says what was returned and which ``output_fn=`` would pick the logits: a longer
   tuple (``(features, logits)``), per-pixel / per-token outputs (``[B, C, H, W]``,
   ``[B, T, C]``), one output per example (``[B]``, ``[B, 1]``) and fewer than two
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bayesify.errors import BayesifyError
+from bayesify.errors import BayesifyError, ModelOutputError
 
 __all__ = [
     "OutputFn",
@@ -78,7 +79,7 @@ def _check_logits_shape(logits: torch.Tensor, output: Any) -> torch.Tensor:
         return logits
     what = describe_output(output)
     if logits.dim() == 2 or logits.dim() == 1:
-        raise BayesifyError(
+        raise ModelOutputError(
             f"the model returns {what}: one output per example, but bayesify needs class "
             "logits [B, C] with at least 2 classes. A 1-class model has nothing to be "
             "uncertain about; for a binary classifier with one logit z pass "
@@ -86,9 +87,9 @@ def _check_logits_shape(logits: torch.Tensor, output: Any) -> torch.Tensor:
             "is the sigmoid), with z of shape [B, 1]"
         )
     if logits.dim() == 0:
-        raise BayesifyError(f"the model returns {what} (a scalar); bayesify needs class "
+        raise ModelOutputError(f"the model returns {what} (a scalar); bayesify needs class "
                             "logits of shape [B, C]")
-    raise BayesifyError(
+    raise ModelOutputError(
         f"the model returns {what}: bayesify classifies whole examples and needs logits of "
         "shape [B, C], not per-pixel or per-token outputs ([B, C, H, W] segmentation maps, "
         "[B, T, C] token logits). Pool them to one row per example, e.g. "
@@ -108,9 +109,9 @@ def logits_of(output: Any) -> torch.Tensor:
     if isinstance(output, (tuple, list)):
         if len(output) == 1 and isinstance(output[0], torch.Tensor):
             return _check_logits_shape(output[0], output)
-        raise TypeError(f"the model returns {describe_output(output)}; bayesify does not "
+        raise ModelOutputError(f"the model returns {describe_output(output)}; bayesify does not "
                         f"guess which entry holds the class logits: {_HINT}")
-    raise TypeError(f"cannot find class logits in the model output ({describe_output(output)}); "
+    raise ModelOutputError(f"cannot find class logits in the model output ({describe_output(output)}); "
                     f"{_HINT}")
 
 
@@ -125,7 +126,7 @@ def check_not_probabilities(logits: torch.Tensor, *, where: str) -> None:
     flat = logits.detach().reshape(-1, logits.shape[-1]).float()
     if bool(((flat >= 0) & (flat <= 1)).all()) and bool(
             ((flat.sum(-1) - 1).abs() <= 1e-3).all()):
-        raise BayesifyError(
+        raise ModelOutputError(
             f"{where}: the model outputs probabilities (every row lies in [0, 1] and sums to "
             "1), but bayesify needs logits (it applies the softmax itself). Remove the final "
             "softmax, or pass output_fn=lambda p: p.clamp_min(1e-12).log() (log-probabilities "
@@ -153,7 +154,7 @@ def _named(spec: str | int) -> Callable[[Any], Any]:
                 return getattr(output, spec)
             return output[spec]
         except (IndexError, KeyError, TypeError, AttributeError) as err:
-            raise BayesifyError(f"output_fn={spec!r} does not select anything from "
+            raise ModelOutputError(f"output_fn={spec!r} does not select anything from "
                                 f"{describe_output(output)} ({type(err).__name__}: {err})") from err
 
     pick.__name__ = f"output_fn_{spec}"

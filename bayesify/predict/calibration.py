@@ -303,7 +303,10 @@ def read_calibration_file(path: str | Path, posterior_dir: str | Path) -> float:
     if not isinstance(payload, dict) or "temperature" not in payload:
         raise BayesifyError(f"{path} holds no temperature; re-run `bayesify calibrate` or "
                             "delete it")
-    temperature = check_temperature(payload["temperature"], where=f"the temperature in {path}")
+    try:
+        temperature = check_temperature(payload["temperature"], where=f"the temperature in {path}")
+    except TypeError as err:  # a string or null in the file: a bad file, not a bad call
+        raise BayesifyError(str(err)) from None
     current = read_manifest(posterior_dir)["checksum"]
     fitted_on = payload.get(POSTERIOR_KEY)
     if fitted_on != current:
