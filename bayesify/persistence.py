@@ -30,6 +30,13 @@ import torch
 from torch import nn
 
 from bayesify.errors import BayesifyError
+from bayesify.posterior_format import (  # noqa: F401 - read_tensor_header re-exported
+    SAFETENSORS_DTYPES,
+    dtype_record,
+    header_from_bytes,
+    read_tensor_header,
+    restore_dtypes,
+)
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -122,6 +129,8 @@ def build_manifest(bnn: BayesianModel, tensors: dict[str, torch.Tensor], buffer_
         "base_tensors": base_names,
         "base_model": type(bnn.model).__name__,
         "base_fingerprint": bnn.base_fingerprint,
+        # the base as saved (after .half(), a fine-tune): loading onto that network works too
+        "base_fingerprint_saved": fingerprint(bnn.base_state_dict()),
         "posterior_sha256": posterior_sha256,
         "dtypes": dtype_record(bnn),
         "output_fn": output_fn_record(output_fn_of(bnn.model)),
@@ -173,47 +182,6 @@ def unusable_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     from bayesify.core.checks import unusable
 
     return [name for name, t in tensors.items() if unusable(t)]
-
-
-def dtype_record(bnn: BayesianModel) -> dict[str, Any]:
-    """Floating dtypes of every parameter and buffer of ``bnn``: the most common one
-    (``"default"``) and the exceptions by name, so ``load_posterior`` can restore a
-    model that was ``.half()``-ed or ``.double()``-ed before it was saved."""
-    dtypes = {n: str(t.dtype).removeprefix("torch.")
-              for n, t in [*bnn.named_parameters(), *bnn.named_buffers()]
-              if t.is_floating_point()}
-    if not dtypes:
-        return {"default": None, "except": {}}
-    values = list(dtypes.values())
-    default = max(set(values), key=values.count)
-    return {"default": default, "except": {n: d for n, d in dtypes.items() if d != default}}
-
-
-def restore_dtypes(bnn: BayesianModel, record: Any, where: Path) -> None:
-    """Cast ``bnn``'s floating parameters and buffers to the dtypes in ``record``."""
-    if not isinstance(record, dict) or not isinstance(record.get("except", {}), dict):
-        raise BayesifyError(f"{where}: 'dtypes' must be an object with 'default' and 'except'")
-    default, exceptions = record.get("default"), record.get("except", {})
-
-    def dtype(name: str) -> torch.dtype | None:
-        value = exceptions.get(name, default)
-        if value is None:
-            return None
-        found = getattr(torch, str(value), None)
-        if not isinstance(found, torch.dtype) or not found.is_floating_point:
-            raise BayesifyError(f"{where}: {value!r} is not a floating dtype")
-        return found
-
-    with torch.no_grad():
-        for name, p in bnn.named_parameters():
-            target = dtype(name)
-            if p.is_floating_point() and target is not None and p.dtype != target:
-                p.data = p.data.to(target)
-        for name, b in list(bnn.named_buffers()):
-            target = dtype(name)
-            if b.is_floating_point() and target is not None and b.dtype != target:
-                owner, _, attr = name.rpartition(".")
-                setattr(bnn.get_submodule(owner) if owner else bnn, attr, b.to(target))
 
 
 #: a manifest is a few KiB; anything far larger is not one of ours
@@ -268,8 +236,9 @@ def _check_manifest_structure(manifest: dict[str, Any], path: Path) -> None:
     both = set(manifest["parameters"]) & set(manifest["state"])
     if both:
         raise BayesifyError(f"{path}: {sorted(both)[:5]} are listed as parameters and as state")
-    for key in ("base_fingerprint", "posterior_sha256", "checksum"):
-        if not _SHA256.fullmatch(manifest[key]):
+    for key in ("base_fingerprint", "posterior_sha256", "checksum", "base_fingerprint_saved"):
+        if key in manifest and not (isinstance(manifest[key], str)
+                                    and _SHA256.fullmatch(manifest[key])):
             raise BayesifyError(f"{path}: {key!r} must be a sha256 hex digest, got "
                                 f"{manifest[key][:80]!r}")
     if not all(isinstance(k, str) for k in manifest["config"]):
@@ -334,60 +303,6 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def read_tensor_header(tensor_path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``{name: (dtype, shape)}`` from the safetensors header, without reading tensor data."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(tensor_path), framework="pt") as fh:
-            header = {}
-            names = fh.keys()
-            for name in names:
-                piece = fh.get_slice(name)
-                header[name] = (str(piece.get_dtype()), tuple(int(d) for d in piece.get_shape()))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise BayesifyError(f"cannot read the header of {tensor_path}: {err}") from err
-    return header
-
-
-def header_from_bytes(data: bytes, path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``{name: (dtype, shape)}`` from the safetensors header held in ``data`` (checked:
-    length, JSON, entries and data offsets inside the file)."""
-    if len(data) < 8:
-        raise BayesifyError(f"cannot read the header of {path}: the file is truncated")
-    size = int.from_bytes(data[:8], "little")
-    if size <= 0 or 8 + size > len(data):
-        raise BayesifyError(f"cannot read the header of {path}: header length {size} does not "
-                            f"fit the {len(data)}-byte file")
-    try:
-        raw = json.loads(data[8:8 + size])
-    except (ValueError, RecursionError) as err:
-        raise BayesifyError(f"cannot read the header of {path}: {err}") from err
-    if not isinstance(raw, dict):
-        raise BayesifyError(f"cannot read the header of {path}: not a JSON object")
-    header, body = {}, len(data) - 8 - size
-    for name, entry in raw.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            ok = (isinstance(dtype, str) and all(type(d) is int and d >= 0 for d in shape)
-                  and type(begin) is int and type(end) is int and 0 <= begin <= end <= body)
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise BayesifyError(f"cannot read the header of {path}: entry {name!r} is malformed")
-        header[name] = (dtype, tuple(shape))
-    return header
-
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-
-
 def _meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers live on the meta device."""
     memo: dict[int, Any] = {}
@@ -438,17 +353,17 @@ def check_against_header(manifest: dict[str, Any], header: dict[str, tuple[str, 
         )
     recorded = manifest.get("dtypes") if isinstance(manifest.get("dtypes"), dict) else {}
     # a model saved after .half() / .double(): the dtypes it was saved in are recorded
-    cast = {_SAFETENSORS_DTYPES.get(getattr(torch, str(d), None), "?")
+    cast = {SAFETENSORS_DTYPES.get(getattr(torch, str(d), None), "?")
             for d in [recorded.get("default"), *(recorded.get("except") or {}).values()]}
     for name, (dtype, shape) in expected.items():
         saved_dtype, saved_shape = header[name]
-        wanted = _SAFETENSORS_DTYPES.get(dtype, str(dtype))
+        wanted = SAFETENSORS_DTYPES.get(dtype, str(dtype))
         if saved_shape != shape or (saved_dtype != wanted and not (
                 dtype.is_floating_point and saved_dtype in cast)):
             raise BayesifyError(
                 f"posterior tensor {name!r} is {saved_dtype}{list(saved_shape)} in {tensor_path}, "
                 f"but the model built from the manifest's config ({manifest['method']!r}) expects "
-                f"{_SAFETENSORS_DTYPES.get(dtype, dtype)}{list(shape)}: refused before "
+                f"{SAFETENSORS_DTYPES.get(dtype, dtype)}{list(shape)}: refused before "
                 "allocating anything (the manifest or the file was altered)"
             )
 
@@ -476,7 +391,7 @@ def load_posterior(base_model: nn.Module, directory: str | os.PathLike, *,
     directory = Path(directory)
     manifest, data, tensor_path = read_committed(directory)
     base_print = fingerprint(base_model.state_dict())
-    if base_print != manifest["base_fingerprint"]:
+    if base_print not in (manifest["base_fingerprint"], manifest.get("base_fingerprint_saved")):
         raise BayesifyError(
             f"the base model ({type(base_model).__name__}, weights fingerprint {base_print[:12]}…) "
             f"is not the one this posterior was fitted on ({manifest.get('base_model')}, "

@@ -253,6 +253,14 @@ def test_the_dtype_of_a_saved_model_is_restored(tmp_path, dtype):
     assert torch.equal(loaded.predictor(seed=3)(x).probs, expected)
 
 
+def test_a_saved_half_model_also_loads_onto_the_half_base(tmp_path):
+    bnn = posterior(1, make=bn_base).half()
+    bnn.save_posterior(tmp_path)
+    loaded = load_posterior(bn_base().half(), tmp_path)
+    x = torch.randn(4, 6, dtype=torch.float16)
+    assert torch.equal(loaded.predictor(seed=3)(x).probs, bnn.predictor(seed=3)(x).probs)
+
+
 def test_a_mixed_dtype_model_is_restored(tmp_path):
     bnn = posterior(1, make=bn_base)
     bnn.model[3].to(torch.float64)  # only the head (wrapped layer and its posterior)

@@ -2,7 +2,8 @@
 
 The rule (:func:`logits_of`), applied to whatever the wrapped network returns:
 
-- a tensor ``[B, C]`` with ``C >= 2`` is the logits;
+- a tensor ``[B, C]`` with ``C >= 2`` is the logits (``[B, C, 1, …, 1]`` from a fully
+  convolutional head is read as ``[B, C]``);
 - an object with a ``.logits`` attribute (Hugging Face ``ModelOutput``) or a mapping
   with a ``"logits"`` key: that entry;
 - a tuple / list of exactly one tensor: that tensor;
@@ -75,6 +76,8 @@ def describe_output(output: Any) -> str:
 
 
 def _check_logits_shape(logits: torch.Tensor, output: Any) -> torch.Tensor:
+    if logits.dim() > 2 and all(d == 1 for d in logits.shape[2:]):
+        logits = logits.flatten(1)  # a fully convolutional head: [B, C, 1, 1] is one pixel
     if logits.dim() == 2 and logits.shape[-1] >= 2:
         return logits
     what = describe_output(output)

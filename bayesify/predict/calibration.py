@@ -77,7 +77,7 @@ def _collect(predictor: BasePredictor, loader: Iterable) -> tuple[Prediction, to
     except TypeError:  # an unsized iterable: found out below
         pass
     try:
-        return predictor.collect_predictions(loader)
+        return predictor.collect_predictions(loader, where="calibrate")
     except BayesifyError as err:
         if "no batches" in str(err):
             raise BayesifyError("calibrate: the validation loader produced no batches; pass a "

@@ -56,11 +56,11 @@ class BasePredictor:
     def device(self) -> torch.device:
         raise NotImplementedError
 
-    def checked_predict(self, inputs: Any) -> Prediction:
+    def checked_predict(self, inputs: Any, *, where: str = "predictor") -> Prediction:
         """:meth:`predict` with the input / output checks of ``nonfinite``."""
-        check_inputs(inputs, self.nonfinite)
+        check_inputs(inputs, self.nonfinite, where=where)
         prediction = self.predict(inputs)
-        check_prediction(prediction, inputs, self.nonfinite, family=self.family)
+        check_prediction(prediction, inputs, self.nonfinite, family=self.family, where=where)
         return prediction
 
     @property
@@ -98,11 +98,12 @@ class BasePredictor:
         prediction, labels = self.collect_predictions(loader)
         return prediction.member_logits, labels
 
-    def collect_predictions(self, loader: Iterable) -> tuple[Prediction, torch.Tensor | None]:
+    def collect_predictions(self, loader: Iterable, *,
+                            where: str = "predictor") -> tuple[Prediction, torch.Tensor | None]:
         """The raw :class:`Prediction` (CPU) and labels ``[N]`` over a whole loader."""
         parts, labels = [], []
         for batch in iter_batches(loader, device=self.device, batch_fn=self.batch_fn):
-            parts.append(self.checked_predict(batch.model_input()).to("cpu"))
+            parts.append(self.checked_predict(batch.model_input(), where=where).to("cpu"))
             if batch.labels is not None:
                 labels.append(batch.labels.cpu())
         if not parts:

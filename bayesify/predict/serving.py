@@ -3,8 +3,9 @@
 **Threads.** A prediction changes state shared by everything that uses the same
 network: the sampling plan every injected layer reads (``SamplingContext.plan``),
 train/eval modes, caches some families keep. Each network therefore has one
-re-entrant lock (:func:`model_lock`, kept outside the module so models stay
-deep-copyable and picklable) and every predictor holds it for the whole
+re-entrant lock (:func:`model_lock` of :mod:`bayesify.core.locks`, kept outside the module so
+models stay deep-copyable and picklable) and every predictor — and
+``BayesianModel.predictive`` / ``member_logits`` themselves — hold it for the whole
 prediction: any number of threads may call predictors of the same model and get
 exactly the serial result; calls on one model run one at a time (use one model
 copy per thread for parallel throughput). ``fit`` does not take the lock: do not
@@ -25,14 +26,13 @@ passed or read back from a saved posterior.
 from __future__ import annotations
 
 import math
-import threading
-import weakref
 from numbers import Real
 from typing import Any
 
 import torch
 
 from bayesify.core.checks import check_finite_batch
+from bayesify.core.locks import model_lock  # re-exported: the lock predictors take
 from bayesify.core.outputs import check_not_probabilities
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
@@ -41,17 +41,6 @@ __all__ = ["NONFINITE_POLICIES", "check_nonfinite_policy", "check_prediction", "
            "model_lock"]
 
 NONFINITE_POLICIES = ("error", "propagate")
-_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
-_LOCKS_GUARD = threading.Lock()
-
-
-def model_lock(model: Any) -> threading.RLock:
-    """The re-entrant lock of ``model`` (one per object, created on first use)."""
-    with _LOCKS_GUARD:
-        lock = _LOCKS.get(model)
-        if lock is None:
-            lock = _LOCKS[model] = threading.RLock()
-        return lock
 
 
 def check_temperature(value: Any, *, where: str = "temperature") -> float:
@@ -78,10 +67,10 @@ def check_nonfinite_policy(value: Any) -> str:
     return value
 
 
-def check_inputs(inputs: Any, policy: str) -> None:
+def check_inputs(inputs: Any, policy: str, *, where: str = "predictor") -> None:
     """Refuse NaN/inf inputs (``policy == "error"``)."""
     if policy == "error":
-        check_finite_batch(inputs, where="predictor")
+        check_finite_batch(inputs, where=where)
 
 
 def _largest_input(inputs: Any) -> float:
@@ -92,20 +81,34 @@ def _largest_input(inputs: Any) -> float:
     return max(values, default=0.0)
 
 
-def check_prediction(prediction: Prediction, inputs: Any, policy: str, *, family: str) -> None:
+def _broken_rows(tensor: torch.Tensor) -> int:
+    """Rows ``[..., C]`` holding NaN or +inf, or only -inf (a masked class is fine)."""
+    rows = tensor.detach().reshape(-1, tensor.shape[-1])
+    bad = torch.isnan(rows).any(-1) | torch.isposinf(rows).any(-1) | torch.isneginf(rows).all(-1)
+    return int(bad.sum())
+
+
+def check_prediction(prediction: Prediction, inputs: Any, policy: str, *, family: str,
+                     where: str = "predictor") -> None:
     """Refuse a non-finite predictive of finite inputs and probability-like outputs."""
     if policy != "error":
         return
-    tensors = ([prediction.mean, prediction.variance] if prediction.is_gaussian
-               else [prediction.member_logits])
-    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+    if prediction.is_gaussian:
+        broken = _broken_rows(prediction.mean) + int(
+            (~torch.isfinite(prediction.variance)).reshape(-1, prediction.variance.shape[-1])
+            .any(-1).sum())
+    else:
+        broken = _broken_rows(prediction.member_logits)
+    if broken:
         largest = _largest_input(inputs)
         cause = (f"inputs this large (largest |input| {largest:.3g}) overflow the network's "
                  "floating-point range in this posterior (e.g. a variance of x²); normalise "
                  "the inputs as the network was trained" if largest > 1e6 else
-                 f"the posterior itself produces NaN/inf (largest |input| only {largest:.3g}): "
-                 "check the fit for divergence")
-        raise BayesifyError(f"predictor: the {family} predictive is NaN/inf for finite "
-                            f"inputs: {cause}; nonfinite='propagate' lets NaN through")
+                 f"the network or posterior itself produces them (largest |input| only "
+                 f"{largest:.3g}): check the model and the fit for divergence")
+        raise BayesifyError(
+            f"{where}: the model produced non-finite logits for {broken} row(s) of finite "
+            f"inputs (the {family} predictive is NaN/inf): {cause}; nonfinite='propagate' "
+            "lets NaN through")
     check_not_probabilities(prediction.mean if prediction.is_gaussian
-                            else prediction.member_logits, where="predictor")
+                            else prediction.member_logits, where=where)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bayesify.atomic_files import directory_lock
 from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train.checkpoint import (
     FORMAT,
@@ -100,6 +101,26 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+def _payload(state: TrainState, run: Run, run_id: str, rng: list[Any]) -> dict[str, Any]:
+    bnn, ctx = state.bnn, state.ctx
+    meta = {
+        "identity": run.identity, "options": run.options, "epoch": state.epoch,
+        "step": state.step, "global_step": state.global_step,
+        "world_size": ctx.world_size, "epochs": state.epochs,
+        "steps_per_epoch": state.steps_per_epoch, "run_id": run_id,
+        "history": state.history, "totals": state.totals,
+    }
+    return {
+        "format": FORMAT, "version": VERSION,
+        "meta": json.dumps(meta, default=float),
+        "posterior": {n: _cpu(p) for n, p in bnn.named_posterior_parameters()},
+        "base": {n: _cpu(p) for n, p in bnn.named_base_parameters() if p.requires_grad},
+        "buffers": {n: _cpu(b) for n, b in bnn.named_buffers()},
+        "optimizer": state.optimizer.state_dict() if state.optimizer is not None else {},
+        "rng": rng,
+    }
+
+
 def save(state: TrainState, run: Run) -> str:
     """Write a checkpoint of ``state`` (collective: every rank must call it).
 
@@ -115,38 +136,27 @@ def save(state: TrainState, run: Run) -> str:
     nonfinite: list[str] = []
     last = "no earlier checkpoint "
     cause: BaseException | None = None
-    run_id = run.id_for_writing() if ctx.is_main else ""
-    path = run.directory / checkpoint_name(state.epoch, state.global_step, run_id)
+    path = run.directory / checkpoint_name(state.epoch, state.global_step, run.run_id or "")
     if ctx.is_main:
         try:
-            bnn = state.bnn
-            meta = {
-                "identity": run.identity, "options": run.options, "epoch": state.epoch,
-                "step": state.step, "global_step": state.global_step,
-                "world_size": ctx.world_size, "epochs": state.epochs,
-                "steps_per_epoch": state.steps_per_epoch, "run_id": run_id,
-                "history": state.history, "totals": state.totals,
-            }
-            payload = {
-                "format": FORMAT, "version": VERSION,
-                "meta": json.dumps(meta, default=float),
-                "posterior": {n: _cpu(p) for n, p in bnn.named_posterior_parameters()},
-                "base": {n: _cpu(p) for n, p in bnn.named_base_parameters() if p.requires_grad},
-                "buffers": {n: _cpu(b) for n, b in bnn.named_buffers()},
-                "optimizer": state.optimizer.state_dict() if state.optimizer is not None else {},
-                "rng": rng,
-            }
-            nonfinite = nonfinite_tensors(payload)
-            kept = list_checkpoints(run.directory, run_id=run_id)
-            if kept:
-                last = f"the newest checkpoint of this run there, {kept[-1].name}, "
-            if not nonfinite:
-                payload["checksum"] = content_checksum(payload)
-                atomic_save(payload, path)
-                prune(run.directory, run.keep, run_id=run_id)
+            run.directory.mkdir(parents=True, exist_ok=True)
+            # the run id is chosen and the first file written under the directory's lock:
+            # two runs starting together in an empty directory never share a name
+            with directory_lock(run.directory):
+                run_id = run.id_for_writing()
+                path = run.directory / checkpoint_name(state.epoch, state.global_step, run_id)
+                payload = _payload(state, run, run_id, rng)
+                nonfinite = nonfinite_tensors(payload)
+                kept = list_checkpoints(run.directory, run_id=run_id)
+                if kept:
+                    last = f"the newest checkpoint of this run there, {kept[-1].name}, "
+                if not nonfinite:
+                    payload["checksum"] = content_checksum(payload)
+                    atomic_save(payload, path)
+                    prune(run.directory, run.keep, run_id=run_id)
         except Exception as err:  # noqa: BLE001 - reported on every rank below, never half-written
             error, cause = f"{type(err).__name__}: {err}", err
-    error, nonfinite, last = broadcast_object((error, nonfinite, last), ctx)
+    error, nonfinite, last, path = broadcast_object((error, nonfinite, last, path), ctx)
     if nonfinite:
         raise NonFiniteLossError(
             f"refusing to write checkpoint {str(path)!r} (epoch {state.epoch}, optimiser step "
