@@ -187,3 +187,28 @@ def test_a_kill_at_every_point_of_a_checkpoint_write(tmp_path):
     result = run_script("ckpt-points", tmp_path / "ckpt")
     assert result["failures"] == [] and result["loaded"] == result["tries"] >= 10
     assert result["a"] > 0 and result["b"] > 0
+
+
+def test_runs_starting_together_in_an_empty_directory_get_their_own_files(data, tmp_path):
+    import threading
+
+    barrier, errors = threading.Barrier(3), []
+
+    def one_run(index: int) -> None:
+        try:
+            barrier.wait()
+            run("ibnn-cosine", data, epochs=2, checkpoint_dir=tmp_path, keep_checkpoints=1,
+                seed=10 + index)
+        except Exception as err:  # noqa: BLE001 - collected
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=one_run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    files = C.list_checkpoints(tmp_path)
+    ids = {C.load_checkpoint(p)["meta"]["run_id"] for p in files}
+    assert len(files) == 3 and len(ids) == 3  # one newest file per run, none overwritten
+    assert all(p.name.startswith("epoch0002-step00000004") for p in files)

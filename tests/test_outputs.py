@@ -155,3 +155,13 @@ def test_hf_style_model_outputs_keep_working():
     bnn = bayesify(HF(), "ibnn")
     fit(bnn, LOADER, progress=False)
     assert bnn.predictor()(x_all[:4]).probs.shape == (4, 3)
+
+
+@pytest.mark.parametrize("method", ["ibnn", "swag"])
+def test_output_fn_reaches_the_validation_search_and_the_starting_network(method):
+    """fit(val_loader=...) scores the unwrapped base and tunes the knob through output_fn."""
+    options = {"swag": {"max_rank": 2, "snapshot_every_steps": 1}}.get(method, {})
+    bnn = bayesify(Net("pair"), method, output_fn=1, **options)
+    result = fit(bnn, LOADER, val_loader=LOADER, epochs=2, progress=False, seed=1)
+    assert "start_val_nll" in result.history[0]
+    assert bnn.unwrap()(x_all[:2]).shape == (2, 3)  # the unwrapped copy keeps the rule

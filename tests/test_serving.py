@@ -147,3 +147,24 @@ def test_a_softmax_model_is_refused(fitted):
         bnn.predictor()(torch.randn(4, 6))
     log_model = nn.Sequential(base(), nn.LogSoftmax(-1))  # log-probabilities are logits
     assert ModelPredictor(log_model)(torch.randn(4, 6)).probs.shape == (4, 3)
+
+
+@pytest.mark.parametrize("method", ["ibnn", "laplace", "swag"])
+def test_threads_calling_the_model_s_predictive_directly_equal_serial(fitted, method):
+    bnn = fitted[method]
+    g = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(5, 6, generator=g) for _ in range(12)]
+    bnn.eval()
+    serial = [bnn.predictive(x).probs for x in inputs]
+    got: dict[int, torch.Tensor] = {}
+
+    def worker(start: int) -> None:
+        for i in range(start, len(inputs), 4):
+            got[i] = bnn.predictive(inputs[i]).probs
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(got[i], serial[i]) for i in range(len(inputs)))
