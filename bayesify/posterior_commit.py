@@ -135,6 +135,10 @@ def _tensor_bytes(directory: Path, sha: str) -> tuple[bytes | None, Path, str]:
             continue
         if _sha256(data) == sha:
             return data, candidate, ""
+    if tensor_path.is_file():  # the pending file may have been renamed into place meanwhile
+        data = tensor_path.read_bytes()
+        if _sha256(data) == sha:
+            return data, tensor_path, ""
     return None, tensor_path, problem
 
 
@@ -147,10 +151,10 @@ def read_committed(directory: str | Path) -> tuple[dict[str, Any], bytes, Path]:
     directory = Path(directory)
     problem = ""
     for _ in range(_READ_ATTEMPTS):
+        # a saver may rename the pending file onto posterior.safetensors (or commit a newer
+        # manifest) between our reads: look again before calling the directory damaged
         manifest = read_manifest(directory)
         data, path, problem = _tensor_bytes(directory, manifest["posterior_sha256"])
         if data is not None:
             return manifest, data, path
-        if read_manifest(directory)["checksum"] == manifest["checksum"]:
-            break  # nothing changed underneath: the directory really is damaged
     raise BayesifyError(problem)
