@@ -17,7 +17,7 @@ from bayesify.core.factory import bayesify as _factory
 from bayesify.core.layers import BayesianLayer
 from bayesify.core.model import BayesianModel
 from bayesify.core.registry import get_method_class, list_methods, register_method
-from bayesify.errors import BayesifyError, NonFiniteLossError
+from bayesify.errors import BayesifyError, ModelOutputError, NonFiniteLossError
 from bayesify.persistence import load_posterior
 from bayesify.predict import BasePredictor, EnsemblePredictor, ModelPredictor, Prediction
 from bayesify.train import fit
@@ -47,6 +47,7 @@ __all__ = [
     "EnsemblePredictor",
     "LossTerms",
     "MethodConfig",
+    "ModelOutputError",
     "ModelPredictor",
     "NonFiniteLossError",
     "Prediction",

@@ -264,7 +264,7 @@ def _add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
-    from bayesify.predict.calibration import calibration_stats
+    from bayesify.predict.calibration import calibration_record, calibration_stats
 
     out = Path(args.out or args.posterior or "bayesify-calibration")
     check_out(out)
@@ -279,7 +279,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
                                      method=args.calibration, plot=plot)
         test_logits, test_labels = predictor.collect(progress_bar(loaders["test"], "calibrate (test)",
                                                           args))
-        payload = result.to_dict()
+        payload = calibration_record(result, args.posterior)  # tied to this posterior
         if payload.get("plot"):
             payload["plot"] = str(out / Path(payload["plot"]).name)
         for tag, temp in (("before", result.previous_temperature),

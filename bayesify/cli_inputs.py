@@ -257,7 +257,10 @@ def load_predictor(args: argparse.Namespace, model: Any) -> Any:
     if args.temperature is not None:
         predictor.temperature = float(args.temperature)
     elif args.posterior is not None and calibration.is_file():
-        predictor.temperature = float(read_json(calibration)["temperature"])
+        from bayesify.predict.calibration import read_calibration_file
+
+        # checked: finite and > 0, and fitted on this posterior (a stale file is refused)
+        predictor.temperature = read_calibration_file(calibration, args.posterior)
     return predictor
 
 
@@ -335,6 +338,12 @@ class StagedOutput:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
         if exc_type is None and self.main:
+            from bayesify.persistence import MANIFEST_FILE, TENSOR_FILE
+            from bayesify.posterior_commit import move_posterior
+
+            if (self.dir / MANIFEST_FILE).is_file() and (self.dir / TENSOR_FILE).is_file():
+                move_posterior(self.dir, self.out)  # one atomic commit, not two renames
+                self.files += [self.out / TENSOR_FILE, self.out / MANIFEST_FILE]
             for src in sorted(p for p in self.dir.rglob("*") if p.is_file()):
                 dst = self.out / src.relative_to(self.dir)
                 dst.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,13 @@ import torch
 from torch import nn
 
 from bayesify.errors import BayesifyError
+from bayesify.posterior_format import (  # noqa: F401 - read_tensor_header re-exported
+    SAFETENSORS_DTYPES,
+    dtype_record,
+    header_from_bytes,
+    read_tensor_header,
+    restore_dtypes,
+)
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -79,12 +86,6 @@ def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def _atomic_write(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def posterior_tensors(bnn: BayesianModel) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
     """Every tensor ``save_posterior`` writes: posterior parameters, posterior buffers
     (``BayesianModel.named_posterior_buffers``: layer buffers and family state) and
@@ -100,19 +101,21 @@ def posterior_tensors(bnn: BayesianModel) -> tuple[dict[str, torch.Tensor], list
     return {**tensors, **buffers, **base}, sorted(buffers), sorted(base)
 
 
-def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
-    """Write ``posterior.safetensors`` and ``bayesify.json`` into ``directory``; returns it."""
-    from safetensors.torch import save_file
+def _json_default(value: Any) -> Any:
+    """numpy / torch scalars (and arrays) become Python numbers (lists); else refused."""
+    if callable(getattr(value, "tolist", None)):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} {value!r:.60} is not JSON serialisable")
 
+
+def build_manifest(bnn: BayesianModel, tensors: dict[str, torch.Tensor], buffer_names: list[str],
+                   base_names: list[str], posterior_sha256: str) -> tuple[dict[str, Any], str]:
+    """The manifest of a save and its JSON text; every check the loader runs on its
+    structure runs here too, so a save that could not be read back fails before the
+    first byte is written."""
     from bayesify import __version__
+    from bayesify.core.outputs import output_fn_of, output_fn_record
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors, buffer_names, base_names = posterior_tensors(bnn)
-    # safetensors refuses views / shared storage: store independent contiguous copies
-    cpu = {k: v.to("cpu", copy=True).contiguous() for k, v in tensors.items()}
-    tensor_path = directory / TENSOR_FILE
-    _atomic_write(tensor_path, lambda p: save_file(cpu, str(p), metadata={"format": FORMAT}))
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -126,16 +129,59 @@ def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
         "base_tensors": base_names,
         "base_model": type(bnn.model).__name__,
         "base_fingerprint": bnn.base_fingerprint,
-        "posterior_sha256": _file_sha256(tensor_path),
+        # the base as saved (after .half(), a fine-tune): loading onto that network works too
+        "base_fingerprint_saved": fingerprint(bnn.base_state_dict()),
+        "posterior_sha256": posterior_sha256,
+        "dtypes": dtype_record(bnn),
+        "output_fn": output_fn_record(output_fn_of(bnn.model)),
     }
-    manifest["checksum"] = _manifest_checksum(manifest)
-    try:
-        text = json.dumps(manifest, indent=2)
-    except TypeError as err:
+    try:  # numpy / torch scalars in a config become plain numbers
+        manifest = json.loads(json.dumps(manifest, default=_json_default, allow_nan=False))
+    except (TypeError, ValueError) as err:
         raise BayesifyError(f"the {bnn.method_name!r} config holds a value json cannot "
                             f"store: {err}") from err
-    _atomic_write(directory / MANIFEST_FILE, lambda p: p.write_text(text))
+    manifest["checksum"] = _manifest_checksum(manifest)
+    _check_manifest_structure(manifest, Path(MANIFEST_FILE))
+    return manifest, json.dumps(manifest, indent=2)
+
+
+def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
+    """Write ``posterior.safetensors`` and ``bayesify.json`` into ``directory``; returns it.
+
+    One atomic commit (see :mod:`bayesify.posterior_commit`): after a failure or a
+    kill at any point the directory loads as the previous posterior or the new one.
+    Refused before anything is written: non-finite tensors, a config JSON cannot hold.
+    """
+    from safetensors.torch import save as serialise
+
+    from bayesify.posterior_commit import commit_posterior
+
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise BayesifyError(f"{directory} exists and is not a directory")
+    tensors, buffer_names, base_names = posterior_tensors(bnn)
+    bad = unusable_tensors(tensors)
+    if bad:
+        raise BayesifyError(
+            f"refusing to save the posterior of {bnn.method_name!r}: {bad[:5]}"
+            f"{'…' if len(bad) > 5 else ''} hold NaN/inf or overflowing values (a diverged fit or "
+            f"poisoned statistics); nothing was written to {directory}")
+    # safetensors refuses views / shared storage: store independent contiguous copies
+    cpu = {k: v.to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+    data = serialise(cpu, metadata={"format": FORMAT})
+    _, text = build_manifest(bnn, tensors, buffer_names, base_names,
+                             hashlib.sha256(data).hexdigest())
+    directory.mkdir(parents=True, exist_ok=True)
+    commit_posterior(directory, data, text.encode())
     return directory
+
+
+def unusable_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of floating tensors holding NaN, ±inf or overflowing values
+    (:func:`bayesify.core.checks.unusable`)."""
+    from bayesify.core.checks import unusable
+
+    return [name for name, t in tensors.items() if unusable(t)]
 
 
 #: a manifest is a few KiB; anything far larger is not one of ours
@@ -190,12 +236,21 @@ def _check_manifest_structure(manifest: dict[str, Any], path: Path) -> None:
     both = set(manifest["parameters"]) & set(manifest["state"])
     if both:
         raise BayesifyError(f"{path}: {sorted(both)[:5]} are listed as parameters and as state")
-    for key in ("base_fingerprint", "posterior_sha256", "checksum"):
-        if not _SHA256.fullmatch(manifest[key]):
+    for key in ("base_fingerprint", "posterior_sha256", "checksum", "base_fingerprint_saved"):
+        if key in manifest and not (isinstance(manifest[key], str)
+                                    and _SHA256.fullmatch(manifest[key])):
             raise BayesifyError(f"{path}: {key!r} must be a sha256 hex digest, got "
                                 f"{manifest[key][:80]!r}")
     if not all(isinstance(k, str) for k in manifest["config"]):
         raise BayesifyError(f"{path}: 'config' keys must be option names")
+    stored_fn = manifest.get("output_fn")
+    if not (stored_fn is None or (isinstance(stored_fn, (str, int)) and not isinstance(stored_fn, bool))
+            or (isinstance(stored_fn, dict) and isinstance(stored_fn.get("callable"), str))):
+        raise BayesifyError(f"{path}: 'output_fn' must be a name, an index or "
+                            f"{{'callable': name}}, got {str(stored_fn)[:80]!r}")
+    dtypes = manifest.get("dtypes", {"default": None})
+    if not (isinstance(dtypes, dict) and isinstance(dtypes.get("except", {}), dict)):
+        raise BayesifyError(f"{path}: 'dtypes' must be an object with 'default' and 'except'")
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
@@ -248,29 +303,6 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def read_tensor_header(tensor_path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``{name: (dtype, shape)}`` from the safetensors header, without reading tensor data."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(tensor_path), framework="pt") as fh:
-            header = {}
-            names = fh.keys()
-            for name in names:
-                piece = fh.get_slice(name)
-                header[name] = (str(piece.get_dtype()), tuple(int(d) for d in piece.get_shape()))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise BayesifyError(f"cannot read the header of {tensor_path}: {err}") from err
-    return header
-
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-
-
 def _meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers live on the meta device."""
     memo: dict[int, Any] = {}
@@ -319,42 +351,47 @@ def check_against_header(manifest: dict[str, Any], header: dict[str, tuple[str, 
             f"posterior tensors {missing[:5]} that the file lacks, and the file has "
             f"{extra[:5]} that it would not create; the manifest does not describe this file"
         )
+    recorded = manifest.get("dtypes") if isinstance(manifest.get("dtypes"), dict) else {}
+    # a model saved after .half() / .double(): the dtypes it was saved in are recorded
+    cast = {SAFETENSORS_DTYPES.get(getattr(torch, str(d), None), "?")
+            for d in [recorded.get("default"), *(recorded.get("except") or {}).values()]}
     for name, (dtype, shape) in expected.items():
         saved_dtype, saved_shape = header[name]
-        if saved_shape != shape or saved_dtype != _SAFETENSORS_DTYPES.get(dtype, str(dtype)):
+        wanted = SAFETENSORS_DTYPES.get(dtype, str(dtype))
+        if saved_shape != shape or (saved_dtype != wanted and not (
+                dtype.is_floating_point and saved_dtype in cast)):
             raise BayesifyError(
                 f"posterior tensor {name!r} is {saved_dtype}{list(saved_shape)} in {tensor_path}, "
                 f"but the model built from the manifest's config ({manifest['method']!r}) expects "
-                f"{_SAFETENSORS_DTYPES.get(dtype, dtype)}{list(shape)}: refused before "
+                f"{SAFETENSORS_DTYPES.get(dtype, dtype)}{list(shape)}: refused before "
                 "allocating anything (the manifest or the file was altered)"
             )
 
 
-def load_posterior(base_model: nn.Module, directory: str | os.PathLike) -> BayesianModel:
+def load_posterior(base_model: nn.Module, directory: str | os.PathLike, *,
+                   output_fn: Any = None) -> BayesianModel:
     """Rebuild the saved posterior around ``base_model`` (copied) and load it strictly.
 
     Raises :class:`BayesifyError` when the manifest is malformed, the base weights
     differ from those the posterior was fitted on, the tensor file was altered,
     or tensors are missing, extra or of the wrong shape / dtype. Shapes implied
     by the manifest's config are compared with the tensor file's header on a
-    meta-device dry run *before* anything is allocated.
+    meta-device dry run *before* anything is allocated. The dtypes the model had
+    when it was saved (``.half()``, ``.double()``) are restored. ``output_fn``: the
+    function the posterior was fitted with when it was a callable (a name or index
+    is stored in the manifest and re-applied without it).
     """
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load as deserialise
 
     from bayesify.core.factory import bayesify
     from bayesify.core.registry import get_method_class
+    from bayesify.posterior_commit import read_committed
 
     directory = Path(directory)
-    manifest = read_manifest(directory)
-    tensor_path = directory / TENSOR_FILE
-    if not tensor_path.is_file():
-        raise BayesifyError(f"{tensor_path} is missing; the saved posterior is incomplete")
-    if _file_sha256(tensor_path) != manifest["posterior_sha256"]:
-        raise BayesifyError(f"{tensor_path} does not match the sha256 recorded in "
-                            f"{MANIFEST_FILE}: the tensor file was modified or replaced")
+    manifest, data, tensor_path = read_committed(directory)
     base_print = fingerprint(base_model.state_dict())
-    if base_print != manifest["base_fingerprint"]:
+    if base_print not in (manifest["base_fingerprint"], manifest.get("base_fingerprint_saved")):
         raise BayesifyError(
             f"the base model ({type(base_model).__name__}, weights fingerprint {base_print[:12]}…) "
             f"is not the one this posterior was fitted on ({manifest.get('base_model')}, "
@@ -366,16 +403,23 @@ def load_posterior(base_model: nn.Module, directory: str | os.PathLike) -> Bayes
         config = get_method_class(method).config_cls.from_kwargs(method, dict(manifest["config"]))
     except (BayesifyError, TypeError) as err:
         raise BayesifyError(f"{directory / MANIFEST_FILE}: its config is not valid ({err})") from err
-    header = read_tensor_header(tensor_path)
+    spec = _output_fn_to_load(manifest, output_fn, directory / MANIFEST_FILE)
+    header = header_from_bytes(data, tensor_path)
     check_against_header(manifest, header, _dry_run_shapes(base_model, method, config), tensor_path)
-    bnn = bayesify(base_model, method, config=config)
+    bnn = bayesify(base_model, method, config=config, output_fn=spec)
     if list(bnn.targets) != list(manifest["targets"]):
         raise BayesifyError(f"re-bayesifying wrapped {bnn.targets[:5]}… but the posterior was "
                             f"saved for {manifest['targets'][:5]}…")
+    if "dtypes" in manifest:
+        restore_dtypes(bnn, manifest["dtypes"], directory / MANIFEST_FILE)
     try:
-        tensors = load_file(str(tensor_path))
-    except (SafetensorError, OSError) as err:
+        tensors = deserialise(data)
+    except (SafetensorError, OSError, ValueError) as err:
         raise BayesifyError(f"cannot read {tensor_path}: {err}") from err
+    bad = unusable_tensors(tensors)
+    if bad:
+        raise BayesifyError(f"{tensor_path} holds NaN/inf in {bad[:5]}; it is not a posterior "
+                            "to predict with")
     base_names = set(manifest.get("base_tensors", []))
     with torch.no_grad():
         base = bnn.base_state_dict()
@@ -390,6 +434,25 @@ def load_posterior(base_model: nn.Module, directory: str | os.PathLike) -> Bayes
     _load_tensors(bnn, expected, {k: v for k, v in tensors.items() if k not in base_names})
     bnn.eval()
     return bnn
+
+
+def _output_fn_to_load(manifest: dict[str, Any], given: Any, where: Path) -> Any:
+    """The ``output_fn`` to rebuild with: the stored name / index, or the callable the
+    caller passes for a posterior fitted with one (mismatches are refused)."""
+    if "output_fn" not in manifest:  # written before output_fn existed
+        return given
+    stored = manifest["output_fn"]
+    if isinstance(stored, dict):
+        if given is None or isinstance(given, (str, int)):
+            raise BayesifyError(
+                f"{where}: this posterior was fitted with output_fn={stored.get('callable')} "
+                "(a function, which a file cannot hold); pass it again: "
+                "load_posterior(base_model, dir, output_fn=...)")
+        return given
+    if given is not None and given != stored:
+        raise BayesifyError(f"{where}: the posterior was fitted with output_fn={stored!r}, "
+                            f"not {given!r}; leave output_fn out to use the stored one")
+    return stored
 
 
 def _load_tensors(bnn: BayesianModel, params: dict[str, torch.Tensor],

@@ -232,7 +232,7 @@ def _final_metrics(bnn: Any, history: list[dict], val_loader: Any, args: argpars
 def _write_posterior(bnn: Any, out: Path, extra: dict[str, Any], *,
                      base: Any = None) -> list[Path]:
     """The posterior, ``run.json`` (and ``base.safetensors`` of ``base``) into ``OUT``
-    (staged in ``OUT/posterior.incomplete``, moved in file by file once complete)."""
+    (staged in ``OUT/posterior.incomplete``; once complete the posterior moves in with one atomic commit, the other files one rename each)."""
     from bayesify.data.model_source import save_checkpoint
 
     staging = out / "posterior.incomplete"
@@ -257,6 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = build_parser(method if method in list_methods() else "ibnn", show_family=given)
     args = parser.parse_args(argv)
     rank0 = os.environ.get("RANK", "0") == "0"
+    # seeded before the model is built: without --pretrained the same command must build the
+    # same network (a randomly initialised head), or resuming is refused as another base
+    torch.manual_seed(args.seed)
     try:
         ready = preflight(args)
     except BayesifyError as err:

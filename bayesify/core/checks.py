@@ -15,7 +15,37 @@ import torch
 
 from bayesify.errors import BayesifyError
 
-__all__ = ["check_finite_inputs", "check_finite_logits", "check_labels", "check_nonempty"]
+__all__ = [
+    "check_finite_batch",
+    "check_finite_inputs",
+    "check_finite_logits",
+    "check_labels",
+    "check_nonempty",
+    "unusable",
+]
+
+
+#: headroom below a dtype's largest value: a tensor beyond it overflows at the next
+#: product or square (a BatchNorm variance of 1e35 is not a statistic)
+_HEADROOM = 2.0**-20
+
+
+def _limit(dtype: torch.dtype) -> float:
+    info = torch.finfo(dtype)
+    # fp16 has too little range for headroom to mean anything: only inf/NaN there
+    return info.max * _HEADROOM if info.max > 1e30 else float("inf")
+
+
+def unusable(tensor: torch.Tensor) -> bool:
+    """A floating tensor holding NaN, ±inf or a magnitude beyond ``finfo.max / 2**20``
+    (fp32 / fp64 / bf16): what no step, checkpoint or saved posterior may keep."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return False
+    t = tensor.detach()
+    if not bool(torch.isfinite(t).all()):
+        return True
+    limit = _limit(t.dtype)
+    return limit != float("inf") and bool(t.abs().max() > limit)
 
 
 def check_labels(labels: Any, num_classes: int | None, *, where: str) -> torch.Tensor:
@@ -77,6 +107,22 @@ def check_finite_inputs(inputs: Any, *, where: str) -> None:
                 f"{where}: {name} holds {nan} NaN and {inf} infinite values{rows} "
                 f"(shape {tuple(tensor.shape)}); clean or drop those examples first"
             )
+
+
+def check_finite_batch(inputs: Any, *, where: str,
+                       error: type[BayesifyError] = BayesifyError) -> None:
+    """:func:`check_finite_inputs` of a tensor or a :class:`~bayesify.core.batch.Batch`
+    (its positional and keyword inputs; labels are checked by :func:`check_labels`)."""
+    args = getattr(inputs, "args", None)
+    if args is not None:  # a Batch: its positional inputs, then its keyword inputs
+        kwargs = inputs.kwargs
+        inputs = args[0] if len(args) == 1 and not kwargs else [*args, kwargs]
+    try:
+        check_finite_inputs(inputs, where=where)
+    except BayesifyError as err:
+        if error is BayesifyError:
+            raise
+        raise error(str(err)) from None
 
 
 def check_finite_logits(logits: torch.Tensor, *, where: str) -> None:

@@ -178,12 +178,14 @@ def _check_value(value: Any, hint: Any, label: str) -> Any:
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, Integral):
             raise TypeError(f"{label} must be an integer, got {type(value).__name__} {value!r}")
-        return value
+        return value if type(value) is int else int(value)  # numpy.int64 → int (JSON-safe)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, Real):
             raise TypeError(f"{label} must be a number, got {type(value).__name__} {value!r}")
         if not math.isfinite(value):
             raise BayesifyError(f"{label} must be a finite number, got {value!r}")
+        if type(value) not in (int, float):  # numpy.float32 → float (JSON-safe)
+            value = int(value) if isinstance(value, Integral) else float(value)
         return value
     if hint is str:
         if not isinstance(value, str):

@@ -10,6 +10,7 @@ from torch import nn
 from bayesify.core.config import MethodConfig
 from bayesify.core.context import SamplingContext
 from bayesify.core.model import BayesianModel
+from bayesify.core.outputs import OutputFn, install_output_fn, resolve_output_fn
 from bayesify.core.registry import get_method_class
 from bayesify.core.walker import plan_targets, replace_modules
 from bayesify.errors import BayesifyError
@@ -23,6 +24,7 @@ def bayesify(
     config: MethodConfig | None = None,
     inplace: bool = False,
     freeze_base: bool = True,
+    output_fn: OutputFn | None = None,
     **options: Any,
 ) -> BayesianModel:
     """Inject a posterior of family ``method`` around the target layers of ``model``.
@@ -31,6 +33,11 @@ def bayesify(
     a ready ``config`` instead to reuse one. The caller's model is deep-copied
     unless ``inplace=True`` and is never left half-modified: targets are planned
     and every wrapper is built before anything is replaced.
+
+    ``output_fn``: which part of the model's output holds the class logits when it
+    is not a ``[B, C]`` tensor or a ``ModelOutput`` with ``.logits`` — an index
+    (``output_fn=1`` for ``(features, logits)``), an attribute / key name, or a
+    function; see :mod:`bayesify.core.outputs`. A tuple output without it is refused.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"bayesify expects a torch.nn.Module, got {type(model).__name__}")
@@ -39,6 +46,7 @@ def bayesify(
             "the model is already bayesified (a BayesianModel); call .unwrap() to get "
             "the base network back, or pass the original model"
         )
+    resolve_output_fn(output_fn)  # a bad output_fn is refused before anything changes
     method_cls = get_method_class(method)
     if config is None:
         config = method_cls.config_cls.from_kwargs(method, options)
@@ -67,6 +75,7 @@ def bayesify(
         raise BayesifyError(f"method {method!r} would wrap {clash[:3]} twice")
     wrappers.update(extra)
     replace_modules(target_model, wrappers)
+    install_output_fn(target_model, output_fn)
 
     bnn = BayesianModel(
         target_model,

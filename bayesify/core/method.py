@@ -32,6 +32,7 @@ from bayesify.core.batch import Batch
 from bayesify.core.config import MethodConfig
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer
+from bayesify.core.outputs import logits_of  # the output rule; re-exported here
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -48,17 +49,6 @@ def wrapper_table(
     """The explicit type → wrapper table: Linear and Conv1d/2d/3d (+ ConvTranspose)."""
     types = DEFAULT_TYPES + (TRANSPOSED_TYPES if transposed else ())
     return dict.fromkeys(types, layer)
-
-
-def logits_of(output: Any) -> torch.Tensor:
-    """Class logits from a model output (tensor, HF ``ModelOutput`` or tuple)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if hasattr(output, "logits"):
-        return output.logits
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise TypeError(f"cannot find logits in a model output of type {type(output).__name__}")
 
 
 class Method:

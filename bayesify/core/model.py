@@ -12,6 +12,7 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer
+from bayesify.core.locks import model_lock
 from bayesify.core.method import Method, logits_of
 
 if TYPE_CHECKING:
@@ -216,19 +217,21 @@ class BayesianModel(nn.Module):
     ) -> torch.Tensor:
         """``[M, B, C]`` logits of every predictive member (M fixed networks per seed)."""
         n = samples_per_component or self.method.default_samples_per_component()
-        return self.method.member_logits(
-            self, x, samples_per_component=n, max_rows=max_rows, seed=seed,
-            deterministic=self.context.force_deterministic,
-        )
+        with model_lock(self):  # the sampling plan is shared: one prediction at a time
+            return self.method.member_logits(
+                self, x, samples_per_component=n, max_rows=max_rows, seed=seed,
+                deterministic=self.context.force_deterministic,
+            )
 
     def predictive(self, x: Any, *, samples_per_component: int | None = None,
                    max_rows: int = 4096, seed: int | None = 0) -> Any:
         """The raw :class:`~bayesify.core.prediction.Prediction` (members or moments)."""
         n = samples_per_component or self.method.default_samples_per_component()
-        return self.method.predictive(
-            self, x, samples_per_component=n, max_rows=max_rows, seed=seed,
-            deterministic=self.context.force_deterministic,
-        )
+        with model_lock(self):  # the sampling plan is shared: one prediction at a time
+            return self.method.predictive(
+                self, x, samples_per_component=n, max_rows=max_rows, seed=seed,
+                deterministic=self.context.force_deterministic,
+            )
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return logits_of(self.model(x))

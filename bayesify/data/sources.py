@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -206,6 +207,24 @@ def model_input(spec: str, data: str, image_size: int | None) -> tuple[int, int 
     return 3, image_size
 
 
+def image_folder(root: str | os.PathLike, transform: Any = None) -> Dataset:
+    """``torchvision.datasets.ImageFolder`` whose unreadable images are a
+    :class:`BayesifyError` naming the file (PIL's "Truncated File Read" does not)."""
+    from torchvision.datasets import ImageFolder
+
+    class NamedImageFolder(ImageFolder):
+        def __getitem__(self, index: int) -> Any:
+            try:
+                return super().__getitem__(index)
+            except (OSError, ValueError, SyntaxError) as err:
+                path = self.samples[index][0]
+                raise BayesifyError(f"cannot read image {path} ({type(err).__name__}: {err}); "
+                                    "the file is damaged or not an image: replace or remove "
+                                    "it") from err
+
+    return NamedImageFolder(str(root), transform=transform)
+
+
 def build_data(data: str, model: nn.Module, spec: str, *, image_size: int | None = None,
                seed: int = 0, ood: str | os.PathLike | None = None) -> DataBundle:
     """Datasets of ``--data`` preprocessed for ``model`` (eval transforms; see module docstring)."""
@@ -216,14 +235,12 @@ def build_data(data: str, model: nn.Module, spec: str, *, image_size: int | None
         splits = load_digits_splits(seed=seed, size=size or 8, channels=channels)
         return DataBundle(train=splits.train, val=splits.val, test=splits.test, ood=splits.ood,
                           num_classes=splits.num_classes, class_names=data_classes(data))
-    from torchvision.datasets import ImageFolder
-
     layout = inspect_image_folder(data)
     _, transform = model_transforms(model, spec, image_size=size)
     root = layout.root
-    train = ImageFolder(str(root / "train"), transform=transform)
-    val = ImageFolder(str(root / "val"), transform=transform)
-    test = ImageFolder(str(root / "test"), transform=transform) if layout.has("test") else val
-    ood_set = ImageFolder(str(ood), transform=transform) if ood is not None else None
+    train = image_folder(root / "train", transform)
+    val = image_folder(root / "val", transform)
+    test = image_folder(root / "test", transform) if layout.has("test") else val
+    ood_set = image_folder(ood, transform) if ood is not None else None
     return DataBundle(train=train, val=val, test=test, ood=ood_set,
                       num_classes=len(train.classes), class_names=list(train.classes))

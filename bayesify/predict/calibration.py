@@ -14,6 +14,7 @@ that one is kept.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +38,10 @@ _LOG_T_GRID = torch.linspace(-math.log(20.0), math.log(20.0), 13)
 T_BOUNDS = (1e-2, 1e2)
 #: the temperature grid of the one-SE choice
 _GRID_RANGE = (0.05, 20.0)
+#: fewer labelled examples than this cannot tell temperatures apart (one example sends
+#: T to a bound: 100 if it is misclassified): refused
+MIN_CALIBRATION_EXAMPLES = 5
+RULES = ("one_se", "min")
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ def _collect(predictor: BasePredictor, loader: Iterable) -> tuple[Prediction, to
     except TypeError:  # an unsized iterable: found out below
         pass
     try:
-        return predictor.collect_predictions(loader)
+        return predictor.collect_predictions(loader, where="calibrate")
     except BayesifyError as err:
         if "no batches" in str(err):
             raise BayesifyError("calibrate: the validation loader produced no batches; pass a "
@@ -206,6 +211,10 @@ def calibrate(
     """
     if method not in METHODS:
         raise BayesifyError(f"unknown calibration method {method!r}; available: {METHODS}")
+    if rule not in RULES:
+        raise BayesifyError(f"calibrate: rule must be one of {list(RULES)}, got {rule!r}")
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+        raise BayesifyError(f"calibrate: max_iter must be a positive integer, got {max_iter!r}")
     prediction, labels = _collect(predictor, val_loader)
     if labels is None:
         raise BayesifyError("calibrate: the validation loader yields no labels; it must yield "
@@ -218,6 +227,11 @@ def calibrate(
     labels = check_labels(labels, classes, where="calibrate")
     if labels.shape[0] != rows:
         raise BayesifyError(f"calibrate: {labels.shape[0]} labels for {rows} examples")
+    if rows < MIN_CALIBRATION_EXAMPLES:
+        raise BayesifyError(
+            f"calibrate: {rows} labelled example(s) cannot choose a temperature (with one, "
+            "the NLL is minimised at a bound of the search); pass a validation loader with at "
+            f"least {MIN_CALIBRATION_EXAMPLES} examples (hundreds for a reliable fit)")
     prediction = _as_prediction(prediction, "calibrate")
     previous = float(predictor.temperature)
     optimum = fit_temperature(prediction, labels, max_iter=max_iter)
@@ -231,6 +245,7 @@ def calibrate(
     nll_after, ece_after, conf_after, correct_after = calibration_stats(prediction, labels,
                                                                         temperature)
     predictor.temperature = temperature
+    _warn_at_bound(temperature, rows)
     plot_path = None
     if plot is not None:
         plot_path = str(metrics.save_reliability_diagram(
@@ -242,3 +257,63 @@ def calibrate(
         nll_after=nll_after, ece_before=ece_before, ece_after=ece_after,
         n=int(labels.numel()), plot=plot_path, rule=rule, curve=curve,
     )
+
+
+def _warn_at_bound(temperature: float, rows: int) -> None:
+    """A temperature at the edge of the search is the data running out, not a fit."""
+    edges = (T_BOUNDS[0], _GRID_RANGE[0], _GRID_RANGE[1], T_BOUNDS[1])
+    if any(abs(math.log(temperature / edge)) < 1e-6 for edge in edges):
+        warnings.warn(
+            f"calibrate: the temperature {temperature:.4g} lies at a bound of the search "
+            f"({rows} validation examples): the validation NLL kept improving towards the "
+            "bound, which usually means too few or too easy validation examples",
+            stacklevel=3)
+
+
+#: what ``bayesify calibrate`` records to tie ``calibration.json`` to its posterior
+POSTERIOR_KEY = "posterior_checksum"
+
+
+def calibration_record(result: CalibrationResult, posterior_dir: str | Path | None) -> dict[str, Any]:
+    """The JSON payload of a calibration file: the result plus the checksum of the saved
+    posterior it was fitted on (``None`` for a plain model)."""
+    from bayesify.persistence import read_manifest
+
+    payload = result.to_dict()
+    payload[POSTERIOR_KEY] = (read_manifest(posterior_dir)["checksum"]
+                              if posterior_dir is not None else None)
+    return payload
+
+
+def read_calibration_file(path: str | Path, posterior_dir: str | Path) -> float:
+    """The temperature of a calibration file, checked: valid JSON, a finite temperature
+    > 0, fitted on the posterior now in ``posterior_dir`` (a stale file, e.g. left from
+    before a re-fit into the same folder, is refused)."""
+    import json
+
+    from bayesify.persistence import read_manifest
+    from bayesify.predict.serving import check_temperature
+
+    path = Path(path)
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise BayesifyError(f"{path} is not a readable calibration file ({err}); re-run "
+                            "`bayesify calibrate` or delete it") from err
+    if not isinstance(payload, dict) or "temperature" not in payload:
+        raise BayesifyError(f"{path} holds no temperature; re-run `bayesify calibrate` or "
+                            "delete it")
+    try:
+        temperature = check_temperature(payload["temperature"], where=f"the temperature in {path}")
+    except TypeError as err:  # a string or null in the file: a bad file, not a bad call
+        raise BayesifyError(str(err)) from None
+    current = read_manifest(posterior_dir)["checksum"]
+    fitted_on = payload.get(POSTERIOR_KEY)
+    if fitted_on != current:
+        what = ("records no posterior (written by an older bayesify or for another model)"
+                if fitted_on is None else f"was fitted on another posterior ({str(fitted_on)[:12]}…)")
+        raise BayesifyError(
+            f"{path} {what}; the posterior in {posterior_dir} is {current[:12]}… — the file is "
+            "stale (was the run re-fitted into the same folder?). Re-run `bayesify calibrate "
+            f"--posterior {posterior_dir}` or delete {path.name}")
+    return temperature

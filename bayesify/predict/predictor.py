@@ -1,7 +1,13 @@
-"""``EnsemblePredictor``: M posterior members in one tiled forward, plus evaluation."""
+"""``EnsemblePredictor``: M posterior members in one tiled forward, plus evaluation.
+
+Predictors are safe to call from several threads (one lock per model, see
+:mod:`bayesify.predict.serving`), refuse NaN/inf inputs and non-finite predictives
+unless ``nonfinite="propagate"``, and accept only finite temperatures > 0.
+"""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +17,13 @@ from bayesify import metrics
 from bayesify.core.batch import as_inputs, iter_batches
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
+from bayesify.predict.serving import (
+    check_inputs,
+    check_nonfinite_policy,
+    check_prediction,
+    check_temperature,
+    model_lock,
+)
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -24,12 +37,35 @@ class BasePredictor:
     ``(x, y)`` pairs or mappings with ``labels`` (``batch_fn=`` for other layouts).
     """
 
-    temperature: float = 1.0
     batch_fn: Any = None
+    #: "error" (default): NaN/inf inputs, and non-finite predictives of finite inputs,
+    #: are a BayesifyError; "propagate": no checks (see bayesify.predict.serving)
+    nonfinite: str = "error"
+    _base_temperature: float = 1.0
+
+    @property
+    def temperature(self) -> float:
+        """Logits are divided by it; a finite number > 0 (checked when set)."""
+        return self._base_temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self._base_temperature = check_temperature(value)
 
     @property
     def device(self) -> torch.device:
         raise NotImplementedError
+
+    def checked_predict(self, inputs: Any, *, where: str = "predictor") -> Prediction:
+        """:meth:`predict` with the input / output checks of ``nonfinite``."""
+        check_inputs(inputs, self.nonfinite, where=where)
+        prediction = self.predict(inputs)
+        check_prediction(prediction, inputs, self.nonfinite, family=self.family, where=where)
+        return prediction
+
+    @property
+    def family(self) -> str:
+        return type(self).__name__
 
     def member_logits(self, x: Any) -> torch.Tensor:
         """``[M, B, C]`` raw (uncalibrated) member logits (Gaussian: fixed-seed samples)."""
@@ -43,7 +79,7 @@ class BasePredictor:
         inputs = as_inputs(*args, **kwargs)
         if inputs.size == 0:
             raise BayesifyError("the predictor got an empty batch (0 rows); pass at least one input")
-        return self.predict(inputs.to(self.device).model_input()).scaled(self.temperature)
+        return self.checked_predict(inputs.to(self.device).model_input()).scaled(self.temperature)
 
     def calibrate(self, val_loader: Iterable, method: str = "temperature", **kwargs: Any) -> Any:
         """Fit ``self.temperature`` on validation data; see ``bayesify.predict.calibration``."""
@@ -63,11 +99,12 @@ class BasePredictor:
         prediction, labels = self.collect_predictions(loader)
         return prediction.member_logits, labels
 
-    def collect_predictions(self, loader: Iterable) -> tuple[Prediction, torch.Tensor | None]:
+    def collect_predictions(self, loader: Iterable, *,
+                            where: str = "predictor") -> tuple[Prediction, torch.Tensor | None]:
         """The raw :class:`Prediction` (CPU) and labels ``[N]`` over a whole loader."""
         parts, labels = [], []
         for batch in iter_batches(loader, device=self.device, batch_fn=self.batch_fn):
-            parts.append(self.predict(batch.model_input()).to("cpu"))
+            parts.append(self.checked_predict(batch.model_input(), where=where).to("cpu"))
             if batch.labels is not None:
                 labels.append(batch.labels.cpu())
         if not parts:
@@ -102,9 +139,14 @@ class ModelPredictor(BasePredictor):
     A list of models is a deep ensemble with M = len(models) members.
     """
 
-    def __init__(self, models: torch.nn.Module | list[torch.nn.Module], *, temperature: float = 1.0) -> None:
+    def __init__(self, models: torch.nn.Module | list[torch.nn.Module], *, temperature: float = 1.0,
+                 nonfinite: str = "error", output_fn: Any = None) -> None:
+        from bayesify.core.outputs import resolve_output_fn
+
         self.models = list(models) if isinstance(models, (list, tuple)) else [models]
-        self.temperature = float(temperature)
+        self.temperature = temperature
+        self.nonfinite = check_nonfinite_policy(nonfinite)
+        self.output_fn = resolve_output_fn(output_fn)
 
     @property
     def device(self) -> torch.device:
@@ -120,10 +162,14 @@ class ModelPredictor(BasePredictor):
             x = x.to(self.device)
         outs = []
         for model in self.models:
-            was_training = model.training
-            model.eval()
-            outs.append(logits_of(call_model(model, x)).float())
-            model.train(was_training)
+            with model_lock(model):
+                was_training = model.training
+                model.eval()
+                try:
+                    out = call_model(model, x)
+                finally:
+                    model.train(was_training)
+            outs.append(logits_of(self.output_fn(out) if self.output_fn else out).float())
         return torch.stack(outs)
 
 
@@ -145,13 +191,16 @@ class EnsemblePredictor(BasePredictor):
         seed: int = 0,
         temperature: float | None = None,
         batch_fn: Any = None,
+        nonfinite: str = "error",
     ) -> None:
-        if samples_per_component is not None and samples_per_component <= 0:
-            from bayesify.errors import BayesifyError
-
+        if samples_per_component is not None and (
+                isinstance(samples_per_component, bool)
+                or not isinstance(samples_per_component, numbers.Integral)
+                or samples_per_component <= 0):
             raise BayesifyError(
-                f"samples_per_component must be positive, got {samples_per_component}"
+                f"samples_per_component must be a positive integer, got {samples_per_component!r}"
             )
+        self.nonfinite = check_nonfinite_policy(nonfinite)
         self.bnn = bnn
         self.samples_per_component = (
             samples_per_component or bnn.method.default_samples_per_component()
@@ -160,19 +209,26 @@ class EnsemblePredictor(BasePredictor):
         self.seed = seed
         self.batch_fn = batch_fn
         #: defaults to the temperature saved with the posterior (1 until calibrated)
-        self._temperature = None if temperature is None else float(temperature)
+        self._temperature = (None if temperature is None
+                             else check_temperature(temperature, where="temperature"))
 
     @property
     def temperature(self) -> float:  # type: ignore[override]
         if self._temperature is not None:
             return self._temperature
-        return self.bnn.state.value("temperature")
+        return check_temperature(self.bnn.state.value("temperature"),
+                                 where="the temperature stored with the posterior")
 
     @temperature.setter
     def temperature(self, value: float) -> None:
         """Setting it (``calibrate`` does) also stores it with the posterior."""
-        self._temperature = float(value)
-        self.bnn.state.set("temperature", float(value))
+        value = check_temperature(value)
+        self._temperature = value
+        self.bnn.state.set("temperature", value)
+
+    @property
+    def family(self) -> str:
+        return self.bnn.method_name
 
     @property
     def device(self) -> torch.device:
@@ -183,15 +239,16 @@ class EnsemblePredictor(BasePredictor):
         """The raw predictive (members or moments) in eval mode."""
         if isinstance(inputs, torch.Tensor):
             inputs = inputs.to(self.device)
-        was_training = self.bnn.training
-        self.bnn.eval()
-        try:
-            return self.bnn.predictive(
-                inputs, samples_per_component=self.samples_per_component,
-                max_rows=self.max_rows, seed=self.seed,
-            )
-        finally:
-            self.bnn.train(was_training)
+        with model_lock(self.bnn):  # the sampling plan and modes are shared: one at a time
+            was_training = self.bnn.training
+            self.bnn.eval()
+            try:
+                return self.bnn.predictive(
+                    inputs, samples_per_component=self.samples_per_component,
+                    max_rows=self.max_rows, seed=self.seed,
+                )
+            finally:
+                self.bnn.train(was_training)
 
     def __repr__(self) -> str:
         return (f"EnsemblePredictor(method={self.bnn.method_name}, members="

@@ -12,17 +12,28 @@ ever unpickled). Layout::
      "checksum": sha256 over everything above (see :func:`content_checksum`)}
 
 Files are ``epoch{E:04d}-step{S:08d}.ckpt`` (E = completed epochs, S = optimiser
-steps) in the checkpoint directory. Writing goes to a temporary file in the same
-directory, is fsync'ed and then ``os.replace``'d into place, so a failed or
-interrupted write never touches an earlier checkpoint; older files are pruned
-only after the new one is committed. Temporary files left by a killed writer
-(``.NAME.tmp-PID`` whose process is gone) are removed on the next write or resume.
+steps) in the checkpoint directory. Every run has an id, stored in its metadata:
+the first run in an empty directory has the empty id and these plain names; a
+later run sharing the directory gets a random id and names
+``epoch{E:04d}-step{S:08d}-{ID}.ckpt``, and a resumed run keeps its id. Pruning
+(``keep_checkpoints``) only ever deletes files of the run that writes, so runs
+sharing a directory never delete or overwrite each other's checkpoints; resuming
+from a directory continues the run that wrote most recently.
+
+Writing goes to a fresh, randomly named temporary file in the same directory
+(``O_EXCL | O_NOFOLLOW``: never a fixed name a symlink could redirect), is fsync'ed
+and then ``os.replace``'d into place, so a failed or interrupted write never
+touches an earlier checkpoint; older files are pruned only after the new one is
+committed. Temporary files left by a killed writer (``.NAME.tmp-PID-XXXX`` whose
+process is gone) are removed on the next write or resume.
 
 Integrity: the checksum is recomputed from the loaded content and compared
 before anything is used, and the RNG records are test-loaded into scratch
 generators; a flipped bit anywhere is a :class:`BayesifyError`. Resuming from a
 directory falls back to the newest checkpoint that passes these checks (with a
-warning naming the skipped files). A state holding NaN/inf is never written.
+warning naming the skipped files). A state holding NaN/inf or overflowing values
+in any section (posterior, trainable base, buffers, optimiser) is never written
+nor resumed from.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import json
 import os
 import pickle
 import re
+import secrets
 import struct
 import warnings
 from pathlib import Path
@@ -39,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bayesify.atomic_files import replace, write_temp
 from bayesify.errors import BayesifyError
 from bayesify.persistence import fingerprint
 
@@ -47,25 +60,52 @@ if TYPE_CHECKING:
 
 FORMAT = "bayesify-checkpoint"
 VERSION = 2
-_NAME = re.compile(r"epoch(\d{4,})-step(\d{8,})\.ckpt")
-_TMP = re.compile(r"\.(.+)\.tmp-(\d+)")
+_NAME = re.compile(r"epoch(\d{4,})-step(\d{8,})(?:-([0-9a-f]{8}))?\.ckpt")
+_TMP = re.compile(r"\.(.+)\.tmp-(\d+)(?:-[0-9a-f]+)?")
 
 
-def checkpoint_name(epoch: int, global_step: int) -> str:
-    return f"epoch{epoch:04d}-step{global_step:08d}.ckpt"
+def checkpoint_name(epoch: int, global_step: int, run_id: str = "") -> str:
+    return f"epoch{epoch:04d}-step{global_step:08d}{f'-{run_id}' if run_id else ''}.ckpt"
 
 
-def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Checkpoint files in ``directory``, oldest first (by epoch, then step)."""
-    directory = Path(directory)
+def _entries(directory: Path) -> list[tuple[str, int, int, Path]]:
+    """``(run id, epoch, step, path)`` of every checkpoint file in ``directory``."""
     if not directory.is_dir():
         return []
     found = []
     for path in directory.iterdir():
         match = _NAME.fullmatch(path.name)
         if match:
-            found.append(((int(match.group(1)), int(match.group(2))), path))
-    return [p for _, p in sorted(found)]
+            found.append((match.group(3) or "", int(match.group(1)), int(match.group(2)), path))
+    return found
+
+
+def list_checkpoints(directory: str | Path, *, run_id: str | None = None) -> list[Path]:
+    """Checkpoint files in ``directory``, oldest first.
+
+    With ``run_id``: that run's files by (epoch, step). Without: every run's files,
+    runs ordered by when they last wrote (mtime of their newest file), so the last
+    entry is the newest checkpoint of the most recent run.
+    """
+    runs: dict[str, list[tuple[int, int, Path]]] = {}
+    for run, epoch, step, path in _entries(Path(directory)):
+        if run_id is None or run == run_id:
+            runs.setdefault(run, []).append((epoch, step, path))
+
+    def recency(run: str) -> tuple[int, tuple[int, int]]:
+        try:
+            stamp = max(p.stat().st_mtime_ns for _, _, p in runs[run])
+        except OSError:
+            stamp = 0
+        return stamp, max(runs[run])[:2]
+
+    return [p for run in sorted(runs, key=recency) for _, _, p in sorted(runs[run])]
+
+
+def new_run_id(directory: str | Path) -> str:
+    """The id of a new run writing into ``directory``: empty (plain names) when the
+    directory holds no checkpoint, a random 8-hex-digit id otherwise."""
+    return secrets.token_hex(4) if _entries(Path(directory)) else ""
 
 
 def resolve_resume(resume: str | Path) -> Path:
@@ -147,35 +187,25 @@ def _writer_alive(pid: int) -> bool:
 
 
 def atomic_save(obj: Any, path: str | Path) -> None:
-    """``torch.save`` to a temp file in the same directory, fsync, ``os.replace``."""
+    """``torch.save`` to a fresh temp file in the same directory, fsync, ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_files(path.parent)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = write_temp(path.parent, lambda fh: torch.save(obj, fh),
+                     prefix=f".{path.name}.tmp-{os.getpid()}-", suffix="")
     try:
-        with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
-def prune(directory: str | Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints (``keep <= 0``: keep all)."""
+def prune(directory: str | Path, keep: int, *, run_id: str = "") -> None:
+    """Delete all but the newest ``keep`` checkpoints of run ``run_id`` (``keep <= 0``:
+    keep all); other runs' files are never touched."""
     if keep <= 0:
         return
-    for path in list_checkpoints(directory)[:-keep]:
+    for path in list_checkpoints(directory, run_id=run_id)[:-keep]:
         path.unlink(missing_ok=True)
 
 
@@ -215,17 +245,16 @@ def _digest(digest: Any, value: Any) -> None:
 
 
 def nonfinite_tensors(payload: dict[str, Any]) -> list[str]:
-    """Names of floating tensors holding NaN/inf in the posterior, trainable base and
-    optimiser state of a checkpoint payload (what a resumed run would train on)."""
+    """Names of floating tensors holding NaN/inf or overflowing values
+    (:func:`bayesify.train.guard.unusable`) in the posterior, trainable base, buffers
+    and optimiser state of a checkpoint payload (what a resumed run would use)."""
+    from bayesify.train.guard import unusable_names
+
     bad = []
-    for section in ("posterior", "base"):
-        for name, t in (payload.get(section) or {}).items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                bad.append(f"{section}.{name}")
+    for section in ("posterior", "base", "buffers"):
+        bad += [f"{section}.{n}" for n in unusable_names((payload.get(section) or {}).items())]
     for index, entry in ((payload.get("optimizer") or {}).get("state") or {}).items():
-        for key, t in entry.items():
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                bad.append(f"optimizer.state[{index}].{key}")
+        bad += [f"optimizer.state[{index}].{n}" for n in unusable_names(entry.items())]
     return bad
 
 

@@ -19,9 +19,11 @@ import torch
 from tqdm.auto import tqdm
 
 from bayesify.core.batch import BatchFn, iter_batches
+from bayesify.core.checks import check_finite_batch
 from bayesify.errors import BayesifyError
 from bayesify.train.distributed import DistContext, all_reduce_sum
 from bayesify.train.evaluate import shard_loader
+from bayesify.train.guard import buffers_restored_on_error
 from bayesify.train.steps import TrainState
 
 if TYPE_CHECKING:
@@ -70,9 +72,10 @@ def fit_curvature(
     bar = tqdm(total=total or None, desc=f"{method.name} curvature",
                disable=not (progress and ctx.is_main), leave=False, dynamic_ncols=True)
     examples, batches = 0, 0
-    with torch.no_grad():
+    with torch.no_grad(), buffers_restored_on_error(bnn):  # no half-accumulated curvature
         for batch in iter_batches(shard, device=bnn.device, batch_fn=batch_fn):
             labels = batch.require_labels("fit")
+            check_finite_batch(batch, where=f"fit (curvature pass, batch {batches})")
             method.accumulate(bnn, batch.model_input(), labels)
             examples += batch.size
             batches += 1

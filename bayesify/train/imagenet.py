@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bayesify.data.sources import BatchPlan
+from bayesify.data.sources import BatchPlan, image_folder
 from bayesify.errors import BayesifyError
 
 FAMILY_DEST = "family_"
@@ -188,11 +188,9 @@ def image_folder_loaders(
     ``plan.drop_last`` is set only when BatchNorm trains (see ``plan_batches``).
     """
     from torch.utils.data import DataLoader
-    from torchvision.datasets import ImageFolder
-
     root = Path(data_dir)
-    train = ImageFolder(str(root / "train"), transform=train_transform)
-    val = ImageFolder(str(root / "val"), transform=eval_transform)
+    train = image_folder(root / "train", train_transform)  # damaged files are named
+    val = image_folder(root / "val", eval_transform)
     if train.classes != val.classes:
         raise BayesifyError("train/ and val/ have different class folders")
     common = {"num_workers": workers, "pin_memory": pin_memory,
@@ -230,11 +228,18 @@ def run_path(run: dict[str, Any], key: str, run_dir: Path) -> str | None:
 
 
 def install_files(staging: Path, out: Path) -> list[Path]:
-    """Move every file of ``staging`` into ``out`` (one rename each), remove ``staging``."""
+    """Move every file of ``staging`` into ``out``, remove ``staging``: a posterior
+    (tensors + manifest) with one atomic commit, every other file one rename each."""
     import os
     import shutil
 
+    from bayesify.persistence import MANIFEST_FILE, TENSOR_FILE
+    from bayesify.posterior_commit import move_posterior
+
     moved = []
+    if (staging / MANIFEST_FILE).is_file() and (staging / TENSOR_FILE).is_file():
+        move_posterior(staging, out)  # never new tensors beside an old manifest
+        moved += [out / TENSOR_FILE, out / MANIFEST_FILE]
     for src in sorted(p for p in staging.rglob("*") if p.is_file()):
         dst = out / src.relative_to(staging)
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -274,7 +279,11 @@ def save_posterior_files(bnn: Any, directory: str | Path, *,
     directory.mkdir(parents=True, exist_ok=True)
     before = {p: p.stat().st_mtime_ns for p in directory.iterdir()}
     bnn.save_posterior(directory)
-    if extra:
-        (directory / "run.json").write_text(json.dumps(extra, indent=2, default=str))
+    if extra:  # a fresh temp file renamed into place: a kill never leaves half a run.json
+        from bayesify.atomic_files import replace, write_temp
+
+        text = json.dumps(extra, indent=2, default=str).encode()
+        replace(write_temp(directory, text, prefix=".run-", suffix=".json.tmp"),
+                directory / "run.json")
     return sorted(p for p in directory.iterdir()
                   if p.is_file() and before.get(p) != p.stat().st_mtime_ns)

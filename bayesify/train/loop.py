@@ -34,8 +34,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesify.core.batch import BatchFn, iter_batches
-from bayesify.core.checks import check_labels
-from bayesify.errors import BayesifyError
+from bayesify.core.checks import check_finite_batch, check_labels
+from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train.data import TrainData
 from bayesify.train.distributed import (
     DistContext,
@@ -377,6 +377,8 @@ def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any
         labels = batch.require_labels("fit")
         if labels.device.type == "cpu" or state.step == 0:  # no device sync on every step
             check_labels(labels, state.num_classes, where="fit")
+        check_finite_batch(batch, where=f"fit at epoch {state.epoch}, step {state.step}",
+                           error=NonFiniteLossError)  # before the forward touches BN statistics
         terms = train_step(state, batch)
         micro += 1
         totals["images"] += batch.size
@@ -432,12 +434,15 @@ def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any
 def _num_classes(bnn: BayesianModel, batch: Any) -> int:
     """Classes of the model's output, from one row of a batch in eval mode."""
     from bayesify.core.method import call_model, logits_of
+    from bayesify.core.outputs import check_not_probabilities
 
     was_training = bnn.training
     bnn.eval()
     try:
         with bnn.deterministic():
-            return int(logits_of(call_model(bnn.model, batch.rows(slice(0, 1)).model_input())).shape[-1])
+            logits = logits_of(call_model(bnn.model, batch.rows(slice(0, 4)).model_input()))
+            check_not_probabilities(logits, where="fit")
+            return int(logits.shape[-1])
     finally:
         bnn.train(was_training)
 

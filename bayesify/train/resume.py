@@ -4,8 +4,12 @@ What is saved: posterior tensors, trainable base tensors, the model's buffers,
 the optimiser (momentum etc.), epoch / batch-in-epoch / optimiser step, the
 running sums of a partial epoch, the history, and the RNG streams of *every*
 rank (gathered to rank 0: global CPU, global CUDA, this rank's noise stream).
-LR and β schedules are pure functions of progress, so the epoch and step are
-their whole state. Together with a data order that is a function of
+LR and β schedules are pure functions of progress *and the run's length*, so the
+epoch and step are their whole state only for the same length: a checkpoint
+records ``epochs`` and ``steps_per_epoch`` (what cosine / cyclic schedules, snapshot
+cycles and SWAG's collection are computed from; the schedule options, KL annealing,
+accumulation and the family config are compared as fit options / identity), and
+:func:`check_schedule` refuses to resume under a different length. Together with a data order that is a function of
 ``(seed, epoch)`` this makes a resumed run reproduce the uninterrupted one.
 """
 
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bayesify.atomic_files import directory_lock
 from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train.checkpoint import (
     FORMAT,
@@ -30,6 +35,7 @@ from bayesify.train.checkpoint import (
     identity,
     list_checkpoints,
     load_resumable,
+    new_run_id,
     nonfinite_tensors,
     prune,
     rng_state,
@@ -40,7 +46,24 @@ from bayesify.train.distributed import DistContext, broadcast_object, gather_obj
 if TYPE_CHECKING:
     from bayesify.train.loop import TrainState
 
-__all__ = ["Run", "identity", "read_for_resume", "restore", "save"]
+__all__ = ["Run", "check_schedule", "identity", "read_for_resume", "restore", "save"]
+
+
+def check_schedule(meta: dict[str, Any], state: TrainState, path: str | Path) -> None:
+    """Refuse to resume a run of another length (its schedules would not continue)."""
+    problems = []
+    for key, now in (("epochs", state.epochs), ("steps_per_epoch", state.steps_per_epoch)):
+        saved = meta.get(key)
+        if saved is not None and saved != now:
+            problems.append(f"{key}: checkpoint {saved!r}, now {now!r}")
+    if problems:
+        raise BayesifyError(
+            f"checkpoint {str(path)!r} belongs to a run of another length ("
+            + "; ".join(problems) + "). The learning-rate schedule, snapshot cycles and "
+            "SWAG's collection are laid out over the whole run, so continuing it with another "
+            f"length would not be the run that was checkpointed: resume with "
+            f"epochs={meta.get('epochs')!r} and the same loader (batches per epoch), or start "
+            "a new checkpoint directory")
 
 
 @dataclass
@@ -52,6 +75,23 @@ class Run:
     every: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     identity: dict[str, Any] = field(default_factory=dict)
+    #: this run's id (file-name suffix; ``None`` until the first save or a resume)
+    run_id: str | None = None
+    #: the directory of the checkpoint this run was resumed from
+    resumed_from: Path | None = None
+
+    def id_for_writing(self) -> str:
+        """The run id used in file names: kept across resumes into the same directory,
+        new (:func:`new_run_id`) otherwise, so no two runs share a file name."""
+        if self.run_id is not None and self.resumed_from is not None and self.directory is not None:
+            if self.resumed_from.resolve() != self.directory.resolve() and \
+                    list_checkpoints(self.directory):
+                self.run_id = None  # resumed elsewhere into a used directory: a new id
+            self.resumed_from = None
+        if self.run_id is None:
+            assert self.directory is not None
+            self.run_id = new_run_id(self.directory)
+        return self.run_id
 
     def every_steps(self, state: TrainState) -> bool:
         return self.every > 0 and state.global_step % self.every == 0
@@ -59,6 +99,26 @@ class Run:
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
+
+
+def _payload(state: TrainState, run: Run, run_id: str, rng: list[Any]) -> dict[str, Any]:
+    bnn, ctx = state.bnn, state.ctx
+    meta = {
+        "identity": run.identity, "options": run.options, "epoch": state.epoch,
+        "step": state.step, "global_step": state.global_step,
+        "world_size": ctx.world_size, "epochs": state.epochs,
+        "steps_per_epoch": state.steps_per_epoch, "run_id": run_id,
+        "history": state.history, "totals": state.totals,
+    }
+    return {
+        "format": FORMAT, "version": VERSION,
+        "meta": json.dumps(meta, default=float),
+        "posterior": {n: _cpu(p) for n, p in bnn.named_posterior_parameters()},
+        "base": {n: _cpu(p) for n, p in bnn.named_base_parameters() if p.requires_grad},
+        "buffers": {n: _cpu(b) for n, b in bnn.named_buffers()},
+        "optimizer": state.optimizer.state_dict() if state.optimizer is not None else {},
+        "rng": rng,
+    }
 
 
 def save(state: TrainState, run: Run) -> str:
@@ -76,36 +136,27 @@ def save(state: TrainState, run: Run) -> str:
     nonfinite: list[str] = []
     last = "no earlier checkpoint "
     cause: BaseException | None = None
-    path = run.directory / checkpoint_name(state.epoch, state.global_step)
+    path = run.directory / checkpoint_name(state.epoch, state.global_step, run.run_id or "")
     if ctx.is_main:
         try:
-            bnn = state.bnn
-            meta = {
-                "identity": run.identity, "options": run.options, "epoch": state.epoch,
-                "step": state.step, "global_step": state.global_step,
-                "world_size": ctx.world_size, "epochs": state.epochs,
-                "history": state.history, "totals": state.totals,
-            }
-            payload = {
-                "format": FORMAT, "version": VERSION,
-                "meta": json.dumps(meta, default=float),
-                "posterior": {n: _cpu(p) for n, p in bnn.named_posterior_parameters()},
-                "base": {n: _cpu(p) for n, p in bnn.named_base_parameters() if p.requires_grad},
-                "buffers": {n: _cpu(b) for n, b in bnn.named_buffers()},
-                "optimizer": state.optimizer.state_dict() if state.optimizer is not None else {},
-                "rng": rng,
-            }
-            nonfinite = nonfinite_tensors(payload)
-            kept = list_checkpoints(run.directory)
-            if kept:
-                last = f"the newest checkpoint there, {kept[-1].name}, "
-            if not nonfinite:
-                payload["checksum"] = content_checksum(payload)
-                atomic_save(payload, path)
-                prune(run.directory, run.keep)
+            run.directory.mkdir(parents=True, exist_ok=True)
+            # the run id is chosen and the first file written under the directory's lock:
+            # two runs starting together in an empty directory never share a name
+            with directory_lock(run.directory):
+                run_id = run.id_for_writing()
+                path = run.directory / checkpoint_name(state.epoch, state.global_step, run_id)
+                payload = _payload(state, run, run_id, rng)
+                nonfinite = nonfinite_tensors(payload)
+                kept = list_checkpoints(run.directory, run_id=run_id)
+                if kept:
+                    last = f"the newest checkpoint of this run there, {kept[-1].name}, "
+                if not nonfinite:
+                    payload["checksum"] = content_checksum(payload)
+                    atomic_save(payload, path)
+                    prune(run.directory, run.keep, run_id=run_id)
         except Exception as err:  # noqa: BLE001 - reported on every rank below, never half-written
             error, cause = f"{type(err).__name__}: {err}", err
-    error, nonfinite, last = broadcast_object((error, nonfinite, last), ctx)
+    error, nonfinite, last, path = broadcast_object((error, nonfinite, last, path), ctx)
     if nonfinite:
         raise NonFiniteLossError(
             f"refusing to write checkpoint {str(path)!r} (epoch {state.epoch}, optimiser step "
@@ -162,6 +213,8 @@ def restore(state: TrainState, payload: dict[str, Any], run: Run, *, path: str) 
     """Load ``payload`` into the model, optimiser, RNG streams and ``state``."""
     meta = payload["meta"]
     check_compatible(meta, run.identity, run.options, path)
+    check_schedule(meta, state, path)
+    run.run_id, run.resumed_from = str(meta.get("run_id") or ""), Path(path).parent
     ctx = state.ctx
     states = payload.get("rng") or []
     if ctx.rank < len(states) and state.noise_generator is not None:

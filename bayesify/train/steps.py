@@ -6,9 +6,10 @@ ensembles) take the same step with ``KL = 0`` and collect the iterates in
 ``method.after_step``; the curvature pass (Laplace) lives in
 :mod:`bayesify.train.curvature`.
 
-A step never leaves a non-finite posterior behind: the trainable tensors are
-copied before ``optimizer.step()`` and restored when the step produced a NaN/inf,
-and a non-finite loss is refused before any parameter changes.
+A step never leaves a non-finite posterior behind (:mod:`bayesify.train.guard`):
+the buffers a forward can change (BatchNorm statistics) are copied before it and
+the trainable tensors before ``optimizer.step()``; both are restored when the loss
+is non-finite or the step left NaN/inf or overflowing values anywhere.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from torch import nn
 from bayesify.core.batch import Batch
 from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train.distributed import DistContext, all_reduce_mean
+from bayesify.train.guard import refuse_unusable_step, step_guard
+from bayesify.train.intent import trainable_base_parameters
 from bayesify.train.loss import nll_and_kl
 from bayesify.train.schedules import beta_schedule, lr_factor
 
@@ -112,9 +115,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Posterior group(s) from the family (large LR, no weight decay) + base group if ``base_lr > 0``."""
     groups = bnn.method.param_groups(bnn, lr=lr, weight_decay=weight_decay)
-    if base_lr > 0:
-        bnn.set_base_trainable(True)
-        groups.append({"params": bnn.base_parameters(), "lr": base_lr,
+    if base_lr > 0:  # only what the user left trainable (bayesify.train.intent)
+        groups.append({"params": trainable_base_parameters(bnn), "lr": base_lr,
                        "weight_decay": base_weight_decay, "name": "base"})
     else:
         bnn.set_base_trainable(False)
@@ -164,6 +166,7 @@ def train_step(state: TrainState, batch: Batch | torch.Tensor,
         group["lr"] = base * lr_factor(progress, schedule, epochs=state.epochs)
     if state.step % state.grad_accum_steps == 0:
         state.bnn.method.before_step(state.bnn, state)
+        step_guard(state).begin()  # buffers the forward may change (BatchNorm statistics)
     sync = (state.ddp.no_sync() if state.ddp is not None and not closes  # type: ignore[operator]
             else contextlib.nullcontext())
     autocast = (torch.autocast(device_type=y.device.type, dtype=torch.bfloat16) if state.amp
@@ -203,49 +206,23 @@ def _optimizer_step(state: TrainState, beta: float, batch_index: int) -> dict[st
              f"method {state.bnn.method_name!r})")
     if not all(map(math.isfinite, (loss, nll, kl))):
         state.optimizer.zero_grad(set_to_none=True)
+        step_guard(state).rollback_buffers()  # the forward may have poisoned BN statistics
         raise NonFiniteLossError(
             f"non-finite loss at {where}: nll={nll:.4g}, kl={kl:.4g}, beta={beta:.4g}, "
-            f"lr={state.optimizer.param_groups[0]['lr']:.4g}. The posterior in memory is "
-            "the last finite one (no step was taken); lower the learning rate, raise "
-            "clip_grad_norm or check the inputs for NaN/inf"
+            f"lr={state.optimizer.param_groups[0]['lr']:.4g}. The posterior and buffers in "
+            "memory are the last finite ones (no step was taken); lower the learning rate, "
+            "raise clip_grad_norm or check the inputs for NaN/inf"
         )
     params = state.trainable()
     if state.clip_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, state.clip_grad_norm)
-    _backup(state, params)
+    step_guard(state).before_update(params)
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
-    if not _all_finite(params):
-        _restore(state, params)
-        raise NonFiniteLossError(
-            f"the optimiser step at {where} made the posterior non-finite (loss was "
-            f"{loss:.4g}); the posterior before that step was restored. Lower the learning "
-            "rate or set clip_grad_norm"
-        )
+    refuse_unusable_step(state, where, loss, params)  # parameters and buffers, rolled back
     state.global_step += 1
     state.bnn.method.after_step(state.bnn, state)
     return {"loss": loss, "nll": nll, "kl": kl, "beta": beta}
-
-
-def _backup(state: TrainState, params: list[torch.Tensor]) -> None:
-    if len(state.backup) != len(params) or any(
-            b.shape != p.shape for b, p in zip(state.backup, params)):
-        state.backup = [torch.empty_like(p) for p in params]
-    with torch.no_grad():
-        torch._foreach_copy_(state.backup, [p.detach() for p in params])
-
-
-def _restore(state: TrainState, params: list[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for p, b in zip(params, state.backup):
-            p.copy_(b)
-
-
-def _all_finite(params: list[torch.Tensor]) -> bool:
-    if not params:
-        return True
-    flags = torch.stack([torch.isfinite(p).all() for p in params])
-    return bool(flags.all())
 
 
 def flush_group(state: TrainState, beta: float) -> dict[str, float] | None:

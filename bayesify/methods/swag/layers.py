@@ -28,6 +28,10 @@ class SWAGMoments(nn.Module):
     ``.cuda()`` so that big models keep their moments in host memory.
     """
 
+    #: the step guard does not copy these before every step: only the post-step
+    #: collection writes them (checkpoint and posterior writes still check them)
+    bayesify_guard_buffers = False
+
     def __init__(self, shapes: dict[str, torch.Size], *, rank: int, dtype: torch.dtype,
                  device: torch.device, pinned_to_cpu: bool) -> None:
         super().__init__()

@@ -1,0 +1,158 @@
+"""Buffers never escape the guards: no NaN/inf/overflowing statistic survives a step or reaches a file.
+
+BatchNorm statistics change during the *forward* of a training step (``bn_train``,
+per-member BatchNorm), so the step guard copies them before the forward and puts
+them back with the parameters; checkpoint and posterior writers check every buffer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from bayesify import BayesifyError, NonFiniteLossError, bayesify, fit, load_posterior
+from bayesify.data.models import DigitsCNN
+from bayesify.train import checkpoint as C
+from bayesify.train.guard import unusable
+
+OPTS = {"lr": 0.05, "seed": 3, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def data(digits):
+    x, y = digits.train.tensors
+    keep = y < 5
+    return x[keep][:96].clone(), y[keep][:96].clone()
+
+
+def loader(x, y, batch_size=32) -> DataLoader:
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def make(method="ibnn", **options):
+    torch.manual_seed(0)
+    base = DigitsCNN(num_classes=5, width=4).eval()
+    bnn = bayesify(base, method, **options)
+    bnn.bn_train = True
+    return bnn
+
+
+def buffers(bnn) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in bnn.named_buffers()}
+
+
+def all_usable(bnn) -> bool:
+    return not any(unusable(t) for t in [*bnn.parameters(), *bnn.buffers()])
+
+
+class Snapshot:
+    """Records buffers and parameters after every optimiser step."""
+
+    def __init__(self, bnn) -> None:
+        self.bnn, self.state = bnn, None
+
+    def on_step_end(self, state, terms) -> None:
+        self.state = ({n: t.detach().clone() for n, t in self.bnn.state_dict().items()})
+
+
+FAMILIES = [("ibnn", {"components": 2}),
+            ("rank1", {"components": 2, "per_member_bn": True}),
+            ("batchensemble", {"components": 2, "per_member_bn": True}),
+            ("ensemble", {"components": 2, "per_member_bn": True}),
+            ("meanfield", {})]
+
+
+@pytest.mark.parametrize(("method", "options"), FAMILIES)
+@pytest.mark.parametrize("poison", ["inf", "nan", "huge"])
+def test_a_poisoned_batch_leaves_the_last_usable_state_in_memory(data, method, options, poison):
+    x, y = data
+    x = x.clone()
+    value = {"inf": float("inf"), "nan": float("nan"), "huge": 1e20}[poison]
+    if poison == "huge":
+        x[64:] = value  # a whole finite batch of 1e20: its variance overflows the statistics
+    else:
+        x[70, 0, 3, 3] = value  # one pixel of batch 2
+    bnn = make(method, **options)
+    snap = Snapshot(bnn)
+    with pytest.raises(NonFiniteLossError) as info:
+        fit(bnn, loader(x, y), epochs=1, callbacks=[snap], **OPTS)
+    assert isinstance(info.value, BayesifyError)
+    assert "step 2" in str(info.value)
+    after = bnn.state_dict()
+    for name, value in snap.state.items():  # exactly the state after step 1
+        assert torch.equal(after[name], value), name
+    assert all_usable(bnn)
+    probs = bnn.predictor()(x[:8]).probs
+    assert bool(torch.isfinite(probs).all())
+
+
+def test_a_huge_batch_never_reaches_a_checkpoint(data, tmp_path):
+    x, y = data
+    x = x.clone()
+    x[64:] = 1e20
+    bnn = make()
+    with pytest.raises(NonFiniteLossError, match=r"buffer .*running_var|running_var"):
+        fit(bnn, loader(x, y), epochs=1, checkpoint_dir=tmp_path, checkpoint_every_steps=1,
+            **OPTS)
+    files = C.list_checkpoints(tmp_path)
+    assert [p.name for p in files] == ["epoch0000-step00000001.ckpt",
+                                       "epoch0000-step00000002.ckpt"]  # never step 3
+    for path in files:
+        payload = C.load_checkpoint(path)
+        assert not any(unusable(t) for t in payload["buffers"].values())
+    bnn.save_posterior(tmp_path / "post")  # the state in memory is the usable one
+    assert all_usable(load_posterior(make().unwrap(), tmp_path / "post"))
+
+
+class _PoisonBuffer:
+    """A callback that breaks a BatchNorm statistic behind the guard's back."""
+
+    def __init__(self, bnn, value: float) -> None:
+        self.bnn, self.value = bnn, value
+
+    def on_step_end(self, state, terms) -> None:
+        if state.global_step == 3:  # after the last step, before the epoch's checkpoint
+            with torch.no_grad():
+                self.bnn.model.features[1].running_var[0] = self.value
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e36])
+def test_checkpoint_writes_refuse_unusable_buffers(data, tmp_path, value):
+    x, y = data
+    bnn = make()
+    bnn.bn_train = False
+    with pytest.raises(NonFiniteLossError, match=r"buffers\.model\.features\.1"):
+        fit(bnn, loader(x, y), epochs=1, checkpoint_dir=tmp_path,
+            callbacks=[_PoisonBuffer(bnn, value)], **OPTS)
+    assert C.list_checkpoints(tmp_path) == []
+    with pytest.raises(BayesifyError, match="NaN/inf"):
+        bnn.save_posterior(tmp_path / "post")
+    assert not (tmp_path / "post" / "bayesify.json").exists()
+
+
+def test_a_resealed_checkpoint_with_an_inf_buffer_is_not_resumed(data, tmp_path):
+    x, y = data
+    bnn = make()
+    fit(bnn, loader(x, y), epochs=1, checkpoint_dir=tmp_path, **OPTS)
+    path = C.list_checkpoints(tmp_path)[-1]
+    payload = torch.load(path, weights_only=True)
+    name = next(n for n in payload["buffers"] if n.endswith("running_var"))
+    payload["buffers"][name][0] = float("inf")
+    payload["checksum"] = C.content_checksum(payload)
+    torch.save(payload, path)
+    with pytest.raises(BayesifyError, match=f"buffers.{name}"):
+        C.load_checkpoint(path)
+
+
+def test_the_curvature_pass_refuses_non_finite_inputs_before_accumulating(data):
+    x, y = data
+    x = x.clone()
+    x[40, 0, 0, 0] = float("nan")
+    torch.manual_seed(0)
+    bnn = bayesify(DigitsCNN(num_classes=5, width=4).eval(), "laplace")
+    before = buffers(bnn)
+    with pytest.raises(BayesifyError, match="NaN"):
+        fit(bnn, loader(x, y), progress=False)
+    after = buffers(bnn)
+    assert all(torch.equal(before[n], after[n]) for n in before)
