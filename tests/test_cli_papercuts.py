@@ -54,7 +54,8 @@ def test_script_layout_resume_batch_and_portable_run(tmp_path, capsys):
     from bayesify.data.sources import create_model
     from bayesify.train.imagenet import check_resume_batch
 
-    data = make_image_folder(tmp_path / "work" / "data")
+    # 3 validation images per class: calibration refuses fewer than 5 labelled examples
+    data = make_image_folder(tmp_path / "work" / "data", val=3)
     out = tmp_path / "work" / "out"
     torch.manual_seed(0)
     torch.save(create_model("torchvision:resnet18", num_classes=2).state_dict(),
