@@ -29,6 +29,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from bayesify.core.digests import (  # noqa: F401 - re-exported (checkpoints, users)
+    fingerprint,
+    fingerprint_from_digests,
+    tensor_digest,
+    tensor_digests,
+)
+from bayesify.core.extensions import provide
 from bayesify.errors import BayesifyError
 
 if TYPE_CHECKING:
@@ -39,31 +46,6 @@ FORMAT_VERSION = 2
 BASE_PREFIX = "base."
 TENSOR_FILE = "posterior.safetensors"
 MANIFEST_FILE = "bayesify.json"
-
-
-def tensor_digest(name: str, tensor: torch.Tensor) -> str:
-    """sha256 over ``(name, dtype, shape, bytes)`` of one tensor."""
-    digest = hashlib.sha256(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-    if tensor.is_meta:  # a dry run on the meta device: no bytes to hash
-        return digest.hexdigest()
-    tensor = tensor.detach().cpu().contiguous()
-    digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def tensor_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """:func:`tensor_digest` of every tensor of a ``state_dict``."""
-    return {name: tensor_digest(name, state[name]) for name in state}
-
-
-def fingerprint_from_digests(digests: Mapping[str, str]) -> str:
-    """sha256 over the per-tensor digests in sorted name order."""
-    return hashlib.sha256("\n".join(f"{k}={digests[k]}" for k in sorted(digests)).encode()).hexdigest()
-
-
-def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
-    """Fingerprint of a ``state_dict``: :func:`fingerprint_from_digests` of its tensors."""
-    return fingerprint_from_digests(tensor_digests(state))
 
 
 def _file_sha256(path: Path) -> str:
@@ -104,7 +86,7 @@ def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
     """Write ``posterior.safetensors`` and ``bayesify.json`` into ``directory``; returns it."""
     from safetensors.torch import save_file
 
-    from bayesify import __version__
+    from bayesify.version import __version__
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -411,3 +393,6 @@ def _load_tensors(bnn: BayesianModel, params: dict[str, torch.Tensor],
     with torch.no_grad():
         for name, param in params.items():
             param.copy_(tensors[name])
+
+
+provide("save_posterior", save_posterior)  # bnn.save_posterior(dir)

@@ -9,8 +9,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import bayesify, fit
-from bayesify.core.member_bn import MemberBatchNorm
-from bayesify.core.rank_one import gaussian_kl
+from bayesify.kit.member_bn import MemberBatchNorm
+from bayesify.kit.rank_one import gaussian_kl
 from bayesify.methods.ensemble.layers import EnsembleLayer
 from bayesify.train.steps import build_optimizer
 

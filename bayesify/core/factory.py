@@ -9,11 +9,11 @@ from torch import nn
 
 from bayesify.core.config import MethodConfig
 from bayesify.core.context import SamplingContext
+from bayesify.core.digests import tensor_digests
 from bayesify.core.model import BayesianModel
 from bayesify.core.registry import get_method_class
 from bayesify.core.walker import plan_targets, replace_modules
 from bayesify.errors import BayesifyError
-from bayesify.persistence import tensor_digests
 
 
 def bayesify(

@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from bayesify.core.batch import Batch
+from bayesify.core.batch import batch_device, batch_rows, call_model, tile
 from bayesify.core.config import MethodConfig
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer
+from bayesify.core.outputs import logits_of
+from bayesify.errors import BayesifyError
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -48,17 +50,6 @@ def wrapper_table(
     """The explicit type → wrapper table: Linear and Conv1d/2d/3d (+ ConvTranspose)."""
     types = DEFAULT_TYPES + (TRANSPOSED_TYPES if transposed else ())
     return dict.fromkeys(types, layer)
-
-
-def logits_of(output: Any) -> torch.Tensor:
-    """Class logits from a model output (tensor, HF ``ModelOutput`` or tuple)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if hasattr(output, "logits"):
-        return output.logits
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise TypeError(f"cannot find logits in a model output of type {type(output).__name__}")
 
 
 class Method:
@@ -235,19 +226,12 @@ class Method:
         seed: int,
         example_input: torch.Tensor,
     ) -> nn.Module:
-        """A plain module ``x [B, ...] → member logits [M, B, C]`` with frozen samples.
-
-        Default: a copy of the network whose layers read their per-member noise
-        from tables recorded once from ``SamplingContext.draw`` (seeded exactly as
-        at prediction). Families whose prediction is not "M networks that draw
-        noise through the context" override this or raise a ``BayesifyError``.
-        """
-        from bayesify.core.frozen_noise import frozen_noise_members
-
-        return frozen_noise_members(
-            bnn, samples_per_component=samples_per_component, seed=seed,
-            example_input=example_input,
-        )
+        """A plain module ``x [B, ...] → member logits [M, B, C]`` with frozen samples
+        (seeded exactly as at prediction); see :mod:`bayesify.kit.frozen_noise` for the
+        one most noise families use. A family that cannot be exported raises a
+        ``BayesifyError`` saying why."""
+        raise BayesifyError(f"method {self.name!r} cannot be exported: the family does not "
+                            "implement Method.export_module")
 
     def default_lr(self) -> float:
         """Learning rate of the posterior group when ``fit(lr=None)``."""
@@ -266,27 +250,3 @@ class Method:
         return int(getattr(self.config, "predict_samples", 1))
 
 
-def tile(x: Any, reps: int) -> Any:
-    """``[B, ...]`` → ``[reps·B, ...]`` in blocks: row ``r`` is example ``r % B``.
-
-    ``x`` is a tensor or a :class:`~bayesify.core.batch.Batch` (every input tiled)."""
-    if reps == 1:
-        return x
-    if isinstance(x, Batch):
-        return x.tile(reps)
-    return x.repeat(reps, *([1] * (x.dim() - 1)))
-
-
-def call_model(model: Any, inputs: Any) -> Any:
-    """``model(x)`` for a tensor, ``model(*args, **kwargs)`` for a :class:`Batch`."""
-    if isinstance(inputs, Batch):
-        return inputs.call(model)
-    return model(inputs)
-
-
-def batch_rows(inputs: Any) -> int:
-    return inputs.size if isinstance(inputs, Batch) else int(inputs.shape[0])
-
-
-def batch_device(inputs: Any) -> torch.device:
-    return inputs.device

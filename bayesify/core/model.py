@@ -11,30 +11,15 @@ import torch
 from torch import nn
 
 from bayesify.core.context import SamplingContext
+from bayesify.core.digests import fingerprint_from_digests, tensor_digest
+from bayesify.core.extensions import implementation
 from bayesify.core.layers import BayesianLayer
-from bayesify.core.method import Method, logits_of
+from bayesify.core.outputs import logits_of
+from bayesify.core.state import PosteriorState, RuntimeCache
+from bayesify.core.walker import replace_modules
 
 if TYPE_CHECKING:
-    from bayesify.predict.predictor import EnsemblePredictor
-
-
-
-class PosteriorState(nn.Module):
-    """Family-level posterior state held as buffers (e.g. SWAG's covariance scale,
-    Laplace's training loss, the predictive temperature), saved and loaded with the
-    posterior and checkpoints like every other buffer. Families register entries in
-    ``Method.prepare`` with fixed shapes, so loading is strict."""
-
-    def add(self, name: str, value: torch.Tensor) -> None:
-        self.register_buffer(name, value.detach().clone())
-
-    def set(self, name: str, value: torch.Tensor | float) -> None:
-        buffer = self.get_buffer(name)
-        buffer.copy_(torch.as_tensor(value, dtype=buffer.dtype).reshape(buffer.shape))
-
-    def value(self, name: str) -> float:
-        return float(self.get_buffer(name).reshape(-1)[0])
-
+    from bayesify.core.method import Method
 
 class BayesianModel(nn.Module):
     """A network with posteriors injected around its target layers.
@@ -66,6 +51,8 @@ class BayesianModel(nn.Module):
         self.base_digests = dict(base_digests or {})
         self.state = PosteriorState()
         self.state.add("temperature", torch.ones((), dtype=torch.float64))
+        #: per-model caches and data sources of the family: never saved (see RuntimeCache)
+        self.runtime = RuntimeCache()
         self.bn_train = False
 
     # -- structure -------------------------------------------------------------------
@@ -115,16 +102,12 @@ class BayesianModel(nn.Module):
     @property
     def base_fingerprint(self) -> str:
         """Fingerprint of the base weights as they were when the model was wrapped."""
-        from bayesify.persistence import fingerprint_from_digests
-
         return fingerprint_from_digests(self.base_digests)
 
     def changed_base_tensors(self) -> dict[str, torch.Tensor]:
         """Base ``state_dict`` tensors that differ from the wrapped original (fine-tuned
         with ``base_lr > 0`` or BatchNorm trained): saved with the posterior, like PEFT's
         ``modules_to_save``."""
-        from bayesify.persistence import tensor_digest
-
         changed = {}
         for name, tensor in self.base_state_dict().items():
             if self.base_digests.get(name) != tensor_digest(name, tensor):
@@ -226,17 +209,15 @@ class BayesianModel(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return logits_of(self.model(x))
 
-    def predictor(self, samples_per_component: int | None = None, **kwargs: Any) -> EnsemblePredictor:
-        """An :class:`EnsemblePredictor` over K components × n samples."""
-        from bayesify.predict.predictor import EnsemblePredictor
-
-        return EnsemblePredictor(self, samples_per_component=samples_per_component, **kwargs)
+    def predictor(self, samples_per_component: int | None = None, **kwargs: Any) -> Any:
+        """An ``EnsemblePredictor`` over K components × n samples (implemented by
+        :mod:`bayesify.predict`, registered through :mod:`bayesify.core.extensions`)."""
+        return implementation("predictor")(self, samples_per_component=samples_per_component,
+                                           **kwargs)
 
     def save_posterior(self, directory: Any) -> Any:
         """Write ``posterior.safetensors`` + ``bayesify.json``; see ``bayesify.persistence``."""
-        from bayesify.persistence import save_posterior
-
-        return save_posterior(self, directory)
+        return implementation("save_posterior")(self, directory)
 
     # -- undo / describe -----------------------------------------------------------------
     def unwrap(self) -> nn.Module:
@@ -245,8 +226,6 @@ class BayesianModel(nn.Module):
         Its ``state_dict`` equals the original's bit for bit (unless base weights
         were fine-tuned); ``requires_grad`` flags are restored.
         """
-        from bayesify.core.walker import replace_modules
-
         model = copy.deepcopy(self.model)
         replace_modules(model, {name: module.base_layer for name, module in model.named_modules()
                                 if isinstance(module, BayesianLayer)})

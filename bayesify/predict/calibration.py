@@ -157,11 +157,11 @@ def choose_temperature(prediction: Prediction, labels: torch.Tensor, *, previous
                        optimum: float, rule: str = "one_se") -> tuple[float, dict[str, Any]]:
     """The temperature to use: the NLL optimum (``rule='min'``), or — the default — the
     softest T whose validation NLL is within one paired standard error of the optimum
-    and not above the NLL at ``previous`` (:func:`bayesify.core.tuning.choose`). On a
+    and not above the NLL at ``previous`` (:func:`bayesify.core.selection.choose`). On a
     small or perfectly classified split the optimum runs towards T → 0 (hard votes),
     which is catastrophic under shift; the rule keeps the softest T the split cannot
     tell apart from it."""
-    from bayesify.core.tuning import choose
+    from bayesify.core.selection import choose
 
     if rule == "min":
         return optimum, {}

@@ -8,9 +8,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify import metrics
-from bayesify.core.batch import as_inputs, iter_batches
+from bayesify.core.batch import as_inputs, call_model, iter_batches
+from bayesify.core.extensions import provide
+from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
+from bayesify.kit.stacked import StackedModels
+from bayesify.predict.stats import per_example_stats, summarize
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -57,6 +61,12 @@ class BasePredictor:
 
         return export_predictor(self, path, example_input, format=format, **kwargs)
 
+    def export_members(self, example: Any) -> torch.nn.Module:
+        """The plain ``inputs → [M, B, C]`` member logits module that ``export`` wraps
+        (``example``: an inputs-only ``Batch`` on this predictor's device)."""
+        raise BayesifyError(f"cannot export a {type(self).__name__}; use an "
+                            "EnsemblePredictor (bnn.predictor()) or a ModelPredictor")
+
     def collect(self, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Member logits ``[M, N, C]`` (CPU, uncalibrated) and labels ``[N]`` over a loader."""
         prediction, labels = self.collect_predictions(loader)
@@ -78,8 +88,6 @@ class BasePredictor:
 
         Streams over the loader keeping only per-example statistics.
         """
-        from bayesify.train.evaluate import per_example_stats, summarize
-
         stats = per_example_stats(self, loader, device=self.device, batch_fn=self.batch_fn)
         out = summarize(stats, n_bins=n_bins)
         if ood_loader is not None:
@@ -113,8 +121,6 @@ class ModelPredictor(BasePredictor):
 
     @torch.no_grad()
     def member_logits(self, x: Any) -> torch.Tensor:
-        from bayesify.core.method import call_model, logits_of
-
         if isinstance(x, torch.Tensor):
             x = x.to(self.device)
         outs = []
@@ -124,6 +130,9 @@ class ModelPredictor(BasePredictor):
             outs.append(logits_of(call_model(model, x)).float())
             model.train(was_training)
         return torch.stack(outs)
+
+    def export_members(self, example: Any) -> torch.nn.Module:
+        return StackedModels(self.models)
 
 
 class EnsemblePredictor(BasePredictor):
@@ -192,8 +201,23 @@ class EnsemblePredictor(BasePredictor):
         finally:
             self.bnn.train(was_training)
 
+    def export_members(self, example: Any) -> torch.nn.Module:
+        """The family's frozen members (``Method.export_module``) in eval mode."""
+        bnn = self.bnn
+        was_training = bnn.training
+        bnn.eval()
+        try:
+            return bnn.method.export_module(
+                bnn, samples_per_component=self.samples_per_component,
+                seed=self.seed, example_input=example,
+            )
+        finally:
+            bnn.train(was_training)
+
     def __repr__(self) -> str:
         return (f"EnsemblePredictor(method={self.bnn.method_name}, members="
                 f"{self.bnn.method.components}×{self.samples_per_component}, "
                 f"temperature={self.temperature:.4g})")
 
+
+provide("predictor", EnsemblePredictor)  # bnn.predictor(...)

@@ -45,7 +45,7 @@ def fit_curvature(
 ) -> Any:
     """One curvature pass, then ``method.finish_fit``; returns a ``FitResult``."""
     from bayesify.train import resume as ckpt
-    from bayesify.train.loop import _Log
+    from bayesify.train.hooks import HistoryLog
 
     method = bnn.method
     state = TrainState(bnn=bnn, optimizer=None, base_lrs=[], schedules=[],  # type: ignore[arg-type]
@@ -87,19 +87,19 @@ def fit_curvature(
                                     batch_fn=batch_fn))
     if val_loader is not None:
         from bayesify.train.evaluate import evaluate_sharded
-        from bayesify.train.loop import _starting_metrics, _warn_if_worse
+        from bayesify.train.hooks import starting_metrics, warn_if_worse
 
         metrics = evaluate_sharded(bnn, val_loader, ctx, batch_fn=batch_fn)
         record.update({f"val_{k}": v for k, v in metrics.items() if isinstance(v, float)})
-        start_metrics = _starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=False)
+        start_metrics = starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=False)
         record.update({f"start_val_{k}": v for k, v in start_metrics.items()})
-        _warn_if_worse(method.name, start_metrics, record)
+        warn_if_worse(method.name, start_metrics, record)
     record["seconds"] = time.perf_counter() - start
     state.history.append(record)
     state.epoch = 1
     if run.directory is not None:
         result.last_checkpoint = ckpt.save(state, run)
-    _Log(log_dir, ctx).write(record)
+    HistoryLog(log_dir, ctx).write(record)
     for hook in callbacks:
         hook.on_epoch_end(state, record)
     bnn.eval()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from bayesify.train.distributed import (
     rank_seed,
     setup_distributed,
 )
+from bayesify.train.hooks import Callback, HistoryLog, as_callback, starting_metrics, warn_if_worse
 from bayesify.train.options import validate_fit_options
 from bayesify.train.schedules import parse_schedule
 from bayesify.train.steps import TrainForward, TrainState, build_optimizer, flush_group, train_step
@@ -179,7 +179,7 @@ def fit(
 
             return fit_curvature(bnn, train_loader, ctx=ctx, val_loader=val_loader, batch_fn=batch_fn,
                                  progress=progress, log_dir=log_dir, checkpoint_dir=checkpoint_dir,
-                                 resume=resume, callbacks=[_as_callback(c) for c in callbacks],
+                                 resume=resume, callbacks=[as_callback(c) for c in callbacks],
                                  amp=amp, result=FitResult())
         n_train = n_train or _dataset_size(train_loader)
         lr_schedule, base_lr_schedule = parse_schedule(lr_schedule), parse_schedule(base_lr_schedule)
@@ -225,7 +225,7 @@ def fit(
             ckpt.restore(state, payload, run, path=payload["path"])
         else:
             method.begin_fit(bnn, steps_per_epoch=state.steps_per_epoch, epochs=epochs)
-        start = (_starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=state.amp)
+        start = (starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=state.amp)
                  if val_loader is not None and payload is None else None)
         state.forward = TrainForward(bnn, noise)
         if ctx.distributed:
@@ -235,8 +235,8 @@ def fit(
         if compile:
             state.forward = torch.compile(state.forward, **(compile if isinstance(compile, dict) else {}))
         result = FitResult(history=state.history)
-        log = _Log(log_dir, ctx)
-        hooks = [_as_callback(c) for c in callbacks]
+        log = HistoryLog(log_dir, ctx)
+        hooks = [as_callback(c) for c in callbacks]
         while state.epoch < epochs:
             record = _train_epoch(state, data, progress=progress and ctx.is_main, run=run, hooks=hooks,
                                   batch_fn=batch_fn)
@@ -264,52 +264,8 @@ def fit(
         bnn.eval()
         if start is not None and state.history:
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
-            _warn_if_worse(method.name, start, state.history[-1])
+            warn_if_worse(method.name, start, state.history[-1])
         return result
-
-
-def _starting_metrics(bnn: BayesianModel, val_loader: Iterable, ctx: DistContext, *,
-                      batch_fn: BatchFn | None, amp: bool) -> dict[str, float]:
-    """Validation accuracy and NLL of the network the fit starts from (the base)."""
-    from bayesify.predict.predictor import ModelPredictor
-    from bayesify.train.evaluate import evaluate_sharded
-
-    base = ModelPredictor(bnn.unwrap().eval())
-    base.batch_fn = batch_fn
-    metrics = evaluate_sharded(base, val_loader, ctx, amp=amp, batch_fn=batch_fn)
-    return {k: metrics[k] for k in ("accuracy", "nll") if k in metrics}
-
-
-def _warn_if_worse(family: str, start: dict[str, float], last: dict[str, Any]) -> None:
-    """A fit that ends clearly worse than its starting network says so (and what to try)."""
-    acc, nll = last.get("val_accuracy"), last.get("val_nll")
-    if acc is None or nll is None or "accuracy" not in start:
-        return
-    worse = []
-    if acc < start["accuracy"] - 0.01:
-        worse.append(f"accuracy {acc:.4f} < {start['accuracy']:.4f}")
-    if nll > start["nll"] * 1.1 + 1e-3:
-        worse.append(f"NLL {nll:.4f} > {start['nll']:.4f}")
-    if worse:
-        warnings.warn(
-            f"fit of {family!r} ended with validation {' and '.join(worse)} of the starting "
-            "network; try a lower lr, fewer epochs, or a smaller initial posterior spread "
-            "(see `bayesify methods " + family + "`)", stacklevel=3,
-        )
-
-
-class _Log:
-    """``history.jsonl`` in ``log_dir`` (rank 0 only): one JSON record per epoch."""
-
-    def __init__(self, log_dir: str | Path | None, ctx: DistContext) -> None:
-        self.path = Path(log_dir) / "history.jsonl" if log_dir is not None and ctx.is_main else None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.path is not None:
-            with self.path.open("a") as fh:
-                fh.write(json.dumps(record, default=float) + "\n")
 
 
 def _wrap_ddp(module: nn.Module, ctx: DistContext, *, sync_buffers: bool,
@@ -334,29 +290,8 @@ def _wrap_ddp(module: nn.Module, ctx: DistContext, *, sync_buffers: bool,
     return DDP(module, device_ids=device_ids, **kwargs)
 
 
-class _Callback:
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def on_step_end(self, state: TrainState, terms: dict[str, float]) -> None:
-        fn = getattr(self.obj, "on_step_end", None)
-        if fn is not None:
-            fn(state, terms)
-
-    def on_epoch_end(self, state: TrainState, record: dict[str, Any]) -> None:
-        fn = getattr(self.obj, "on_epoch_end", None)
-        if fn is None and callable(self.obj):
-            fn = self.obj
-        if fn is not None:
-            fn(state, record)
-
-
-def _as_callback(obj: Any) -> _Callback:
-    return _Callback(obj)
-
-
 def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any,
-                 hooks: list[_Callback], batch_fn: BatchFn | None = None) -> dict[str, Any]:
+                 hooks: list[Callback], batch_fn: BatchFn | None = None) -> dict[str, Any]:
     from bayesify.train import resume as ckpt
 
     bnn = state.bnn
@@ -431,7 +366,8 @@ def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any
 @torch.no_grad()
 def _num_classes(bnn: BayesianModel, batch: Any) -> int:
     """Classes of the model's output, from one row of a batch in eval mode."""
-    from bayesify.core.method import call_model, logits_of
+    from bayesify.core.batch import call_model
+    from bayesify.core.outputs import logits_of
 
     was_training = bnn.training
     bnn.eval()

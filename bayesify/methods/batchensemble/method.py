@@ -8,15 +8,15 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.method import wrapper_table
-from bayesify.core.predictive_scale import (
+from bayesify.kit.knobs import (
     TEMPERATURE_GRID,
     MemberTemperature,
     add_knob,
     reset_knob,
     tune_knob,
 )
-from bayesify.core.rank_one import RankOneLayer
-from bayesify.core.tiled import TiledMethod
+from bayesify.kit.rank_one import RankOneLayer
+from bayesify.kit.tiled import TiledMethod
 from bayesify.methods.batchensemble.config import BatchEnsembleConfig
 
 if TYPE_CHECKING:

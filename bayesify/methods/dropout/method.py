@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from bayesify.core.method import Method, wrapper_table
-from bayesify.core.predictive_scale import SPREAD_GRID, add_knob, reset_knob, tune_knob
+from bayesify.core.method import wrapper_table
+from bayesify.kit.family import NoiseFamily
+from bayesify.kit.knobs import SPREAD_GRID, add_knob, reset_knob, tune_knob
 from bayesify.methods.dropout.config import DropoutConfig
 from bayesify.methods.dropout.layers import DropoutLayer
 
@@ -17,7 +18,7 @@ logger = logging.getLogger("bayesify")
 KNOB = "dropout_rate_scale"
 
 
-class DropoutMethod(Method):
+class DropoutMethod(NoiseFamily):
     """Dropout before every target layer, kept on at prediction; no KL term.
 
     One component; training draws one mask per row (``samples`` repeats per

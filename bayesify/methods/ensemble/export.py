@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.member_bn import MemberBatchNorm
-from bayesify.core.method import logits_of
+from bayesify.core.outputs import logits_of
 from bayesify.errors import BayesifyError
+from bayesify.kit.member_bn import MemberBatchNorm
 from bayesify.methods.ensemble.layers import EnsembleLayer
 
 if TYPE_CHECKING:

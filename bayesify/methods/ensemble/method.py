@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from bayesify.core.member_bn import MemberBatchNorm
-from bayesify.core.method import batch_device, batch_rows, call_model, logits_of
-from bayesify.core.predictive_scale import (
+from bayesify.core.batch import batch_device, batch_rows, call_model
+from bayesify.core.outputs import logits_of
+from bayesify.core.walker import find_classifier
+from bayesify.errors import BayesifyError
+from bayesify.kit.knobs import (
     TEMPERATURE_GRID,
     MemberTemperature,
     add_knob,
@@ -38,9 +40,8 @@ from bayesify.core.predictive_scale import (
     tune_knob,
     with_member_temperature,
 )
-from bayesify.core.tiled import TiledMethod
-from bayesify.core.walker import find_classifier
-from bayesify.errors import BayesifyError
+from bayesify.kit.member_bn import MemberBatchNorm
+from bayesify.kit.tiled import TiledMethod
 from bayesify.methods.ensemble.config import EnsembleConfig
 from bayesify.methods.ensemble.export import export_ensemble
 from bayesify.methods.ensemble.layers import EnsembleLayer

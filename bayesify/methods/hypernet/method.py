@@ -10,9 +10,9 @@ from torch import nn
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer
 from bayesify.core.method import Method, wrapper_table
-from bayesify.core.predictive_scale import SPREAD_GRID, add_knob, reset_knob, tune_knob
-from bayesify.core.weight_members import export_weight_members
-from bayesify.core.weightspace import member_training_forward
+from bayesify.kit.knobs import SPREAD_GRID, add_knob, reset_knob, tune_knob
+from bayesify.kit.weight_members import export_weight_members
+from bayesify.kit.weightspace import member_training_forward
 from bayesify.methods.hypernet.config import HypernetConfig
 from bayesify.methods.hypernet.generator import NoiseSource
 from bayesify.methods.hypernet.layers import HypernetLayer

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from bayesify.core.method import Method, wrapper_table
-from bayesify.core.predictive_scale import SpreadKnob
+from bayesify.core.method import wrapper_table
+from bayesify.kit.family import NoiseFamily
+from bayesify.kit.knobs import SpreadKnob
 from bayesify.methods.ibnn.config import IBNNConfig
 from bayesify.methods.ibnn.layers import NodeNoiseLayer
 
 KNOB = "ibnn_noise_scale"
 
 
-class IBNNMethod(SpreadKnob, Method):
+class IBNNMethod(SpreadKnob, NoiseFamily):
     """Multiplicative node noise with a K-component mixture posterior.
 
     Training (Algorithm 1): every example repeated ``samples`` times, rows dealt

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.method import logits_of
+from bayesify.core.outputs import logits_of
 from bayesify.core.walker import replace_modules
 from bayesify.errors import BayesifyError
 from bayesify.methods.laplace import posterior as post
@@ -136,7 +136,7 @@ def _last_layer_tensors(posterior: object, structure: str, link: str, tau: torch
 def export_laplace(method: LaplaceMethod, bnn: BayesianModel, *, samples_per_component: int,
                    seed: int, example_input: Any, deterministic: bool) -> nn.Module:
     """The plain ``x → [M, B, C]`` module of ``method``'s predictive (see module docstring)."""
-    from bayesify.core.stacked import StackedModels
+    from bayesify.kit.stacked import StackedModels
 
     if deterministic or method.train_loss is None:  # in process: the MAP network alone
         return StackedModels([bnn.unwrap()])

@@ -23,8 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from bayesify.core.batch import call_model
 from bayesify.core.checks import check_finite_inputs, check_finite_logits, check_labels
-from bayesify.core.method import Method, call_model, logits_of
+from bayesify.core.method import Method
+from bayesify.core.outputs import logits_of
 from bayesify.errors import BayesifyError
 from bayesify.methods.laplace import curvature as curv
 from bayesify.methods.laplace import posterior as post
@@ -276,7 +278,7 @@ class LaplaceMethod(Method):
                 opt.step()
             self.set_prior_precision(bnn, log_tau.detach().exp())
         elif method == "val_nll":
-            from bayesify.core.tuning import select_on_validation
+            from bayesify.core.selection import select_on_validation
 
             record.update(select_on_validation(
                 bnn, val_loader, set_knob=lambda tau: self.set_prior_precision(bnn, tau),

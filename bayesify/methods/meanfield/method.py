@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from bayesify.core.method import Method, wrapper_table
-from bayesify.core.predictive_scale import SpreadKnob
-from bayesify.core.weight_members import export_weight_members
-from bayesify.core.weightspace import member_training_forward
+from bayesify.core.method import wrapper_table
 from bayesify.errors import BayesifyError
+from bayesify.kit.family import NoiseFamily
+from bayesify.kit.knobs import SpreadKnob
+from bayesify.kit.weight_members import export_weight_members
+from bayesify.kit.weightspace import member_training_forward
 from bayesify.methods.meanfield.config import MeanFieldConfig
 from bayesify.methods.meanfield.layers import MeanFieldLayer
 
@@ -51,7 +52,7 @@ def minibatch_kl_weight(step: int, steps_per_epoch: int, weighting: str = "unifo
     raise BayesifyError(f"unknown KL weighting {weighting!r}; use 'uniform' or 'blundell'")
 
 
-class MeanFieldMethod(SpreadKnob, Method):
+class MeanFieldMethod(SpreadKnob, NoiseFamily):
     """Bayes by Backprop around every target Linear/Conv (Blundell et al. 2015).
 
     Training: ``samples`` repeats per example; local reparameterisation / flipout

@@ -8,9 +8,9 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.method import wrapper_table
-from bayesify.core.predictive_scale import SpreadKnob
-from bayesify.core.rank_one import RankOneLayer
-from bayesify.core.tiled import TiledMethod
+from bayesify.kit.knobs import SpreadKnob
+from bayesify.kit.rank_one import RankOneLayer
+from bayesify.kit.tiled import TiledMethod
 from bayesify.methods.rank1.config import Rank1Config
 
 KNOB = "rank1_noise_scale"

@@ -41,7 +41,7 @@ def member_network(bnn: BayesianModel, state: dict[str, torch.Tensor]) -> nn.Mod
 def export_swag(method: SWAGMethod, bnn: BayesianModel, *, samples_per_component: int,
                 seed: int, example_input: torch.Tensor, deterministic: bool) -> nn.Module:
     """``x → [N, B, C]``: the predictor's N sampled networks (1 for 'swa' / deterministic)."""
-    from bayesify.core.stacked import StackedModels
+    from bayesify.kit.stacked import StackedModels
 
     layers = method._layers(bnn)
     if deterministic or method.config.variant == "swa" or not bnn.state.value("swag_fitted"):

@@ -21,9 +21,10 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from bayesify.core.batch import Batch
+from bayesify.core.batch import Batch, batch_rows, call_model
 from bayesify.core.layers import BayesianLayer
-from bayesify.core.method import Method, batch_rows, call_model, logits_of
+from bayesify.core.method import Method
+from bayesify.core.outputs import logits_of
 from bayesify.errors import BayesifyError
 from bayesify.methods.swag import posterior as post
 from bayesify.methods.swag.batchnorm import recompute_batchnorm
@@ -192,9 +193,9 @@ class SWAGMethod(Method):
     def select_scale(self, bnn: BayesianModel, val_loader: Iterable, *,
                      batch_fn: Any = None) -> dict[str, Any]:
         """Covariance scale on a log grid by validation NLL of the predictive (shared
-        search, :func:`bayesify.core.tuning.select_on_validation`; the broadest scale
+        search, :func:`bayesify.core.selection.select_on_validation`; the broadest scale
         within the rule). Stored in ``bnn.state``."""
-        from bayesify.core.tuning import select_on_validation
+        from bayesify.core.selection import select_on_validation
 
         cfg: SWAGConfig = self.config
 

@@ -7,7 +7,7 @@ meanfield, hypernet; 0 is the mean network), a multiplier of the dropout rate
 (batchensemble, ensemble; bounded grid, never T → 0). The knob is 1 while training
 (layers read it only in eval mode, :func:`knob_value`), is reset to 1 by
 ``begin_fit`` and, when ``fit`` is given a ``val_loader``, is chosen by the shared
-validation search (:func:`tune_knob` → :func:`bayesify.core.tuning.select_on_validation`)
+validation search (:func:`tune_knob` → :func:`bayesify.core.selection.select_on_validation`)
 from the family's ``finish_fit``. Being a buffer of ``bnn.state`` it is saved,
 loaded and checkpointed with the posterior, so a reloaded posterior predicts
 exactly as the tuned one; layers read it inside their forward, so export (which
@@ -86,7 +86,7 @@ def tune_knob(
     """
     if val_loader is None:
         return {}
-    from bayesify.core.tuning import select_on_validation
+    from bayesify.core.selection import select_on_validation
 
     was_training = bnn.training
     bnn.eval()

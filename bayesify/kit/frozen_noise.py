@@ -16,7 +16,8 @@ from torch import nn
 
 from bayesify.core.batch import Batch, example_batch
 from bayesify.core.context import SamplingContext, expand_plan_rows
-from bayesify.core.method import Method, logits_of
+from bayesify.core.method import Method
+from bayesify.core.outputs import logits_of
 from bayesify.errors import BayesifyError
 
 if TYPE_CHECKING:

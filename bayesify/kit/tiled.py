@@ -13,11 +13,11 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer
-from bayesify.core.member_bn import member_batchnorm_wrappers
-from bayesify.core.method import Method
+from bayesify.kit.family import NoiseFamily
+from bayesify.kit.member_bn import member_batchnorm_wrappers
 
 
-class TiledMethod(Method):
+class TiledMethod(NoiseFamily):
     """A family whose K members each see the whole batch (component = row // B)."""
 
     def train_components(self, batch_size: int, device: torch.device) -> torch.Tensor:

@@ -122,7 +122,8 @@ def base_validation_nll(bnn: BayesianModel, batches: list[Any]) -> torch.Tensor:
     """``[n]`` per-example validation NLL of the starting network (``bnn.unwrap()``)."""
     import torch.nn.functional as F
 
-    from bayesify.core.method import call_model, logits_of
+    from bayesify.core.batch import call_model
+    from bayesify.core.outputs import logits_of
 
     base = bnn.unwrap().eval()
     out = []

@@ -149,7 +149,8 @@ def member_training_forward(bnn, x: torch.Tensor, y: torch.Tensor, reps: int):
     Rows ``s·B … (s+1)·B−1`` form member ``s``: S weight samples per step in one
     forward, and the mean NLL averages every sample's likelihood.
     """
-    from bayesify.core.method import batch_device, batch_rows, call_model, logits_of, tile
+    from bayesify.core.batch import batch_device, batch_rows, call_model, tile
+    from bayesify.core.outputs import logits_of
 
     batch = batch_rows(x)
     member = torch.arange(reps, device=batch_device(x)).repeat_interleave(batch)

@@ -27,7 +27,7 @@ def export_weight_members(
     Every injected layer must implement ``member_parameters() -> (weight, bias)``
     for the single member of the active plan.
     """
-    from bayesify.core.stacked import StackedModels
+    from bayesify.kit.stacked import StackedModels
 
     device = example_input.device
     num_members = bnn.method.member_components(samples_per_component, device).shape[0]
