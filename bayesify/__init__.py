@@ -7,6 +7,7 @@
 
 from bayesify.core.config import MethodConfig
 from bayesify.core.factory import bayesify
+from bayesify.core.fitting import FitContext, Knob, Step
 from bayesify.core.layers import BayesianLayer
 from bayesify.core.model import BayesianModel
 from bayesify.core.registry import get_method_class, list_methods, register_method
@@ -15,8 +16,8 @@ from bayesify.persistence import load_posterior
 from bayesify.predict import BasePredictor, EnsemblePredictor, ModelPredictor, Prediction
 from bayesify.train import fit
 from bayesify.train.loss import LossTerms, elbo_loss
-
-__version__ = "0.1.0"
+from bayesify.train.tuning import tune
+from bayesify.version import __version__
 
 
 def describe_method(method: str) -> list[tuple[str, object, str]]:
@@ -30,11 +31,14 @@ __all__ = [
     "BayesianModel",
     "BayesifyError",
     "EnsemblePredictor",
+    "FitContext",
+    "Knob",
     "LossTerms",
     "MethodConfig",
     "ModelPredictor",
     "NonFiniteLossError",
     "Prediction",
+    "Step",
     "__version__",
     "bayesify",
     "describe_method",
@@ -44,4 +48,5 @@ __all__ = [
     "list_methods",
     "load_posterior",
     "register_method",
+    "tune",
 ]

@@ -95,8 +95,8 @@ def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
     cls = get_method_class(args.method)
     options = {**key_values(args.option, "--option"),
                **family_options(args, args.method)}
-    family = cls(check_family_options(args.method, options))
-    fit_kwargs: dict[str, Any] = {} if family.training == "curvature" else {"epochs": 5}
+    step = cls(check_family_options(args.method, options)).step()
+    fit_kwargs: dict[str, Any] = {"epochs": 5} if step.optimizes else {}
     for key, value in (("epochs", args.epochs), ("lr", args.lr),
                        ("kl_anneal_epochs", args.kl_anneal_epochs)):
         if value is not None:
@@ -109,10 +109,10 @@ def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
     if unknown:
         raise BayesifyError(f"unknown fit option(s) {unknown} for method {args.method!r}; "
                             f"known: {sorted(known)}")
-    refused = sorted(set(fit_kwargs) & set(family.unsupported_fit_options))
+    refused = sorted(set(fit_kwargs) & set(step.refused))
     if refused:
         raise BayesifyError(f"method {args.method!r} cannot honour fit option(s) {refused}: "
-                            f"{family.unsupported_reason()}")
+                            f"{step.refusal}")
     check_out(Path(args.out))
     return options, fit_kwargs
 

@@ -141,7 +141,7 @@ def test_knob_zero_is_the_mean_network(method):
     bnn.eval()
     x = torch.randn(4, 1, 8, 8)
     bnn.state.set(KNOBS[method], 0.0)
-    method_obj, k = bnn.method, bnn.method.default_samples_per_component()
+    method_obj, k = bnn.method, bnn.config.default_samples()
     with torch.no_grad():
         noisy = method_obj.member_logits(bnn, x, samples_per_component=k, max_rows=10_000, seed=1)
         means = method_obj.member_logits(bnn, x, samples_per_component=k, max_rows=10_000, seed=1,

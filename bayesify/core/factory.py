@@ -51,7 +51,6 @@ def bayesify(
         )
     family = method_cls(config)
     plan = plan_targets(model, family)  # validates; raises before any change
-    family.validate_plan(model, plan.targets)
 
     # every wrapper and extra module is built before the first setattr, so a failed
     # call leaves the caller's model untouched (inplace=True included)
@@ -59,14 +58,11 @@ def bayesify(
     target_model = model if inplace else copy.deepcopy(model)
     requires_grad = {n: p.requires_grad for n, p in target_model.named_parameters()}
     context = SamplingContext(family.components)
-    modules = dict(target_model.named_modules())
-    wrappers = {name: family.wrap(name, modules[name], context) for name in plan.targets}
-    extra = family.extra_wrappers(target_model, context, list(plan.targets))
-    clash = sorted(set(extra) & set(wrappers))
-    if clash:
-        raise BayesifyError(f"method {method!r} would wrap {clash[:3]} twice")
-    wrappers.update(extra)
-    replace_modules(target_model, wrappers)
+    modules = family.build(target_model, list(plan.targets), context)
+    missing = [name for name in plan.targets if name not in modules]
+    if missing:
+        raise BayesifyError(f"method {method!r} built no wrapper for target(s) {missing[:3]}")
+    replace_modules(target_model, modules)
 
     bnn = BayesianModel(
         target_model,

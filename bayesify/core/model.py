@@ -14,6 +14,7 @@ from bayesify.core.context import SamplingContext
 from bayesify.core.digests import fingerprint_from_digests, tensor_digest
 from bayesify.core.extensions import implementation
 from bayesify.core.layers import BayesianLayer
+from bayesify.core.names import base_name, in_base_layer, posterior_name
 from bayesify.core.outputs import logits_of
 from bayesify.core.state import PosteriorState, RuntimeCache
 from bayesify.core.walker import replace_modules
@@ -78,9 +79,8 @@ class BayesianModel(nn.Module):
         """``(base-model module name + '.' + param, tensor)`` for every posterior tensor."""
         for name, layer in self.bayesian_layers().items():
             for pname, p in layer.named_parameters():
-                if not pname.startswith("base_layer."):
-                    yield f"{name}.{pname}", p
-        yield from self.method.extra_posterior_parameters(self)
+                if not in_base_layer(pname):
+                    yield posterior_name(name, pname), p
 
     def posterior_parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_posterior_parameters()]
@@ -90,8 +90,8 @@ class BayesianModel(nn.Module):
         base model's module names) and family-level state (``bayesify.<name>``)."""
         for name, layer in self.bayesian_layers().items():
             for bname, b in layer.named_buffers():
-                if not bname.startswith("base_layer.") and ".base_layer." not in f".{bname}":
-                    yield f"{name}.{bname}", b
+                if not in_base_layer(bname):
+                    yield posterior_name(name, bname), b
         for bname, b in self.state.named_buffers():
             yield f"bayesify.{bname}", b
 
@@ -130,7 +130,7 @@ class BayesianModel(nn.Module):
         posterior = {id(p) for p in self.posterior_parameters()}
         for name, p in self.model.named_parameters():
             if id(p) not in posterior:
-                yield name.replace(".base_layer.", "."), p
+                yield base_name(name), p
 
     def base_parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_base_parameters()]
@@ -144,8 +144,12 @@ class BayesianModel(nn.Module):
         return sum(layer.num_nodes() for layer in self.bayesian_layers().values())
 
     def kl(self) -> torch.Tensor:
-        """KL(q‖p) of the whole posterior, summed over layers (not divided by N)."""
-        return self.method.kl(self)
+        """KL(q‖p) of the whole posterior, summed over the injected layers (not divided
+        by N_train; 0 for families without a variational term)."""
+        total = torch.zeros((), device=self.device)
+        for layer in self.bayesian_layers().values():
+            total = total + layer.kl().to(total.device, torch.float32)
+        return total
 
     # -- modes -------------------------------------------------------------------------
     def train(self, mode: bool = True) -> BayesianModel:
@@ -179,8 +183,9 @@ class BayesianModel(nn.Module):
         return self.model(*args, **kwargs)
 
     def training_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tiled logits ``[R, C]`` and targets ``[R]`` for one training batch."""
-        return self.method.training_forward(self, x, y)
+        """Tiled logits ``[R, C]`` and targets ``[R]`` for one training batch (the batch
+        layout of the family's step)."""
+        return self.method.step().forward(self, x, y)
 
     def member_logits(
         self,
@@ -191,7 +196,7 @@ class BayesianModel(nn.Module):
         seed: int | None = 0,
     ) -> torch.Tensor:
         """``[M, B, C]`` logits of every predictive member (M fixed networks per seed)."""
-        n = samples_per_component or self.method.default_samples_per_component()
+        n = samples_per_component or self.config.default_samples()
         return self.method.member_logits(
             self, x, samples_per_component=n, max_rows=max_rows, seed=seed,
             deterministic=self.context.force_deterministic,
@@ -200,7 +205,7 @@ class BayesianModel(nn.Module):
     def predictive(self, x: Any, *, samples_per_component: int | None = None,
                    max_rows: int = 4096, seed: int | None = 0) -> Any:
         """The raw :class:`~bayesify.core.prediction.Prediction` (members or moments)."""
-        n = samples_per_component or self.method.default_samples_per_component()
+        n = samples_per_component or self.config.default_samples()
         return self.method.predictive(
             self, x, samples_per_component=n, max_rows=max_rows, seed=seed,
             deterministic=self.context.force_deterministic,

@@ -1,4 +1,4 @@
-"""Base of the families whose predictive members draw noise through the sampling context.
+"""Bases shared by several families: frozen-noise export and extra modules.
 
 ``NoiseFamily`` exports as a copy of the network whose layers read frozen per-member
 noise tables (:mod:`bayesify.kit.frozen_noise`), seeded exactly as at prediction.
@@ -11,10 +11,20 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from bayesify.core.method import Method
+from bayesify.errors import BayesifyError
 from bayesify.kit.frozen_noise import frozen_noise_members
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
+
+
+def add_modules(modules: dict[str, nn.Module], extra: dict[str, nn.Module], *,
+                family: str) -> dict[str, nn.Module]:
+    """``modules`` plus ``extra`` (e.g. per-member BatchNorm); a name in both is an error."""
+    clash = sorted(set(extra) & set(modules))
+    if clash:
+        raise BayesifyError(f"method {family!r} would wrap {clash[:3]} twice")
+    return {**modules, **extra}
 
 
 class NoiseFamily(Method):

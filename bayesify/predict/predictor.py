@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify import metrics
-from bayesify.core.batch import as_inputs, call_model, iter_batches
+from bayesify.core.batch import as_inputs, call_model, iter_batches, limited_batches
 from bayesify.core.extensions import provide
+from bayesify.core.fitting import BatchSource
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
@@ -142,6 +143,9 @@ class EnsemblePredictor(BasePredictor):
     ``max_rows``: rows per forward pass; members are chunked to stay under it.
     ``seed``: fixes the members' noise, so repeated calls see the same M networks.
     ``temperature``: logits are divided by it (see ``calibrate``).
+    ``bn_loader``: training inputs from which families that recompute BatchNorm
+    statistics per sampled network (SWAG) draw them for members ``fit`` did not store
+    (another ``seed`` or more members); kept in ``bnn.runtime``, never saved.
     """
 
     def __init__(
@@ -153,6 +157,7 @@ class EnsemblePredictor(BasePredictor):
         seed: int = 0,
         temperature: float | None = None,
         batch_fn: Any = None,
+        bn_loader: Iterable | None = None,
     ) -> None:
         if samples_per_component is not None and samples_per_component <= 0:
             from bayesify.errors import BayesifyError
@@ -161,8 +166,11 @@ class EnsemblePredictor(BasePredictor):
                 f"samples_per_component must be positive, got {samples_per_component}"
             )
         self.bnn = bnn
+        if bn_loader is not None:  # inputs for the BatchNorm statistics of sampled networks
+            bnn.runtime["bn_source"] = BatchSource(batches=lambda fraction: limited_batches(
+                bn_loader, fraction=fraction, device=bnn.device, batch_fn=batch_fn))
         self.samples_per_component = (
-            samples_per_component or bnn.method.default_samples_per_component()
+            samples_per_component or bnn.config.default_samples()
         )
         self.max_rows = int(max_rows)
         self.seed = seed

@@ -13,28 +13,14 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from bayesify.predict.stats import FIELDS as _FIELDS
 from bayesify.predict.stats import per_example_stats, summarize
-from bayesify.train.data import ShardSampler, _loader_kwargs
+from bayesify.train.data import shard_loader
 from bayesify.train.distributed import DistContext, all_gather_objects
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
-
-
-def shard_loader(loader: Iterable, ctx: DistContext) -> Iterable:
-    """This rank's shard of an evaluation ``DataLoader`` (the loader itself otherwise)."""
-    if not ctx.distributed or not isinstance(loader, DataLoader) or loader.batch_size is None:
-        return loader
-    try:
-        n = len(loader.dataset)  # type: ignore[arg-type]
-    except TypeError:
-        return loader
-    sampler = ShardSampler(n, rank=ctx.rank, world_size=ctx.world_size)
-    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
-                      **_loader_kwargs(loader))
 
 
 def evaluate_sharded(
