@@ -69,9 +69,10 @@ class LaplaceMethod(Method):
 
     def knobs(self, bnn: BayesianModel) -> list[Knob]:
         """τ on ``val_grid`` by validation NLL (``prior_method`` 'val_nll', or 'auto' given
-        validation data); the broadest posterior is the smallest τ."""
+        validation data) once the curvature is fitted; the broadest posterior is the
+        smallest τ."""
         cfg: LaplaceConfig = self.config
-        if cfg.prior_method not in ("auto", "val_nll"):
+        if cfg.prior_method not in ("auto", "val_nll") or state.train_loss(bnn) is None:
             return []
         return [Knob(name="prior_precision", grid=tuple(log_grid(cfg.val_grid)),
                      meaning="prior precision τ of the Laplace posterior; smaller is broader",
