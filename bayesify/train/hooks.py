@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from bayesify.core.batch import BatchFn
 from bayesify.predict.predictor import ModelPredictor
+from bayesify.train import evaluate as evaluation
 from bayesify.train.distributed import DistContext
-from bayesify.train.evaluate import evaluate_sharded
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -27,7 +27,7 @@ def starting_metrics(bnn: BayesianModel, val_loader: Iterable, ctx: DistContext,
     """Validation accuracy and NLL of the network the fit starts from (the base)."""
     base = ModelPredictor(bnn.unwrap().eval())
     base.batch_fn = batch_fn
-    metrics = evaluate_sharded(base, val_loader, ctx, amp=amp, batch_fn=batch_fn)
+    metrics = evaluation.evaluate_sharded(base, val_loader, ctx, amp=amp, batch_fn=batch_fn)
     return {k: metrics[k] for k in ("accuracy", "nll") if k in metrics}
 
 

@@ -39,6 +39,7 @@ from bayesify.core.batch import BatchFn, call_model
 from bayesify.core.checks import check_labels
 from bayesify.core.outputs import logits_of
 from bayesify.errors import BayesifyError
+from bayesify.train import evaluate as evaluation
 from bayesify.train import resume as ckpt
 from bayesify.train.context import TrainContext, TrainState
 from bayesify.train.data import TrainData
@@ -50,7 +51,6 @@ from bayesify.train.distributed import (
     rank_seed,
     setup_distributed,
 )
-from bayesify.train.evaluate import evaluate_sharded
 from bayesify.train.hooks import Callback, HistoryLog, as_callback, starting_metrics, warn_if_worse
 from bayesify.train.options import validate_fit_options
 from bayesify.train.schedules import parse_schedule
@@ -230,7 +230,7 @@ def fit(
                 if val_loader is not None:
                     record.update(state.tune(method.knobs(bnn)))
             if val_loader is not None and ((state.epoch + 1) % max(val_every, 1) == 0 or is_last):
-                metrics = evaluate_sharded(bnn, val_loader, ctx,
+                metrics = evaluation.evaluate_sharded(bnn, val_loader, ctx,
                                            samples_per_component=val_samples_per_component,
                                            amp=state.amp, channels_last=channels_last,
                                            batch_fn=batch_fn)
@@ -383,7 +383,7 @@ def _add_terms(totals: dict[str, float], terms: dict[str, float], micro: int) ->
 
 def _epoch_record(state: TrainContext, totals: dict[str, float], beta: float, *,
                   seconds: float) -> dict[str, Any]:
-    if totals["batches"] == 0:
+    if totals["batches"] == 0 and state.optimizer is not None:
         raise BayesifyError(
             "the training loader produced no batches"
             + (f" on rank {state.ctx.rank} of {state.ctx.world_size}: the global batch "
@@ -391,6 +391,8 @@ def _epoch_record(state: TrainContext, totals: dict[str, float], beta: float, *,
         )
     images = all_reduce_sum(torch.tensor([totals["images"]], dtype=torch.float64),
                             state.ctx).item()
+    if images == 0:  # a statistics pass: a rank's shard may be empty, not every rank's
+        raise BayesifyError("the training loader produced no batches")
     record: dict[str, Any] = {}
     if state.optimizer is not None:
         count = max(totals["count"], 1.0)

@@ -77,7 +77,7 @@ class SWAGMethod(Method):
         """The covariance scale on ``scale_grid`` by validation NLL (the broadest scale within
         the rule); the stored BatchNorm statistics follow the chosen scale."""
         cfg: SWAGConfig = self.config
-        if not tunes_scale(cfg):
+        if not tunes_scale(cfg) or not state.fitted(bnn):
             return []
 
         def settle() -> dict[str, Any]:
@@ -86,7 +86,7 @@ class SWAGMethod(Method):
 
         return [Knob(name="swag_scale", grid=tuple(log_grid(cfg.scale_grid)),
                      meaning="covariance scale of the sampled networks; larger is broader",
-                     set=lambda value: state.set_scale(bnn, value), prefer="largest",
+                     set=lambda value: state.install_scale(bnn, cfg, value), prefer="largest",
                      rule=cfg.val_rule, settle=settle)]
 
     def scale(self, bnn: BayesianModel) -> float:

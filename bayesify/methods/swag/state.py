@@ -6,7 +6,7 @@ saved lives in ``bnn.runtime``: ``"bn_source"`` — the
 :class:`~bayesify.core.fitting.BatchSource` the BatchNorm statistics of sampled networks
 are recomputed from (``fit`` installs its share of the training data; a predictor given
 ``bn_loader=`` installs that loader) — and the statistics recomputed per
-``(seed, members, source)``.
+``(seed, members)`` from that source.
 """
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ def set_scale(bnn: BayesianModel, value: float) -> None:
     forget_batchnorm(bnn)
 
 
+def install_scale(bnn: BayesianModel, config: SWAGConfig, value: float) -> None:
+    """The scale, and the BatchNorm statistics of the default predictor's members at it
+    (computed here, so every DDP rank runs the same reductions in the same order whatever
+    its share of the validation data)."""
+    set_scale(bnn, value)
+    member_batchnorm(bnn, config, config.default_samples(), 0)
+
+
 def fitted(bnn: BayesianModel) -> bool:
     return bool(bnn.state.value("swag_fitted"))
 
@@ -78,8 +86,11 @@ def member_batchnorm(bnn: BayesianModel, config: SWAGConfig, num_members: int,
                      seed: int | None) -> list[dict[str, torch.Tensor]]:
     """BatchNorm statistics of every sampled member (recomputed once, then cached)."""
     source = bnn.runtime.get(BN_SOURCE)
-    cache = bnn.runtime.setdefault(_BN_CACHE, {})
-    key = (seed, num_members, id(source))
+    cached = bnn.runtime.get(_BN_CACHE)
+    if cached is None or cached[0] is not source:  # statistics of another data source
+        cached = bnn.runtime[_BN_CACHE] = (source, {})
+    cache = cached[1]
+    key = (seed, num_members)
     if key in cache:
         return cache[key]
     wrappers = bn_wrappers(bnn)
@@ -113,7 +124,7 @@ def store_batchnorm(bnn: BayesianModel, config: SWAGConfig) -> None:
     for name, w in wrappers.items():
         w.running_mean.copy_(mean_stats[f"{name}.running_mean"])
         w.running_var.copy_(mean_stats[f"{name}.running_var"])
-    forget_batchnorm(bnn)
+    # the members' statistics do not depend on θ̄'s: those cached at this scale stay valid
     if config.variant != "swa":
         for m, stats in enumerate(member_batchnorm(bnn, config, config.predict_samples, 0)):
             for name, w in wrappers.items():

@@ -58,6 +58,7 @@ class SWAGStep(SnapshotStep):
         bnn.state.set("swag_period", period)
         bnn.state.set("swag_fitted", 0)
         bnn.state.set("swag_bn_members", 0)
+        state.forget_batchnorm(bnn)
         for layer in state.layers(bnn).values():
             layer.moments.reset()
 
