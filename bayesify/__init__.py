@@ -14,6 +14,7 @@ import sys as _sys
 
 from bayesify.core.config import MethodConfig
 from bayesify.core.factory import bayesify as _factory
+from bayesify.core.fitting import FitContext, Knob, Step
 from bayesify.core.layers import BayesianLayer
 from bayesify.core.model import BayesianModel
 from bayesify.core.registry import get_method_class, list_methods, register_method
@@ -21,10 +22,10 @@ from bayesify.errors import BayesifyError, ModelOutputError, NonFiniteLossError
 from bayesify.persistence import load_posterior
 from bayesify.predict import BasePredictor, EnsemblePredictor, ModelPredictor, Prediction
 from bayesify.train import fit
+from bayesify.train.custom_loop import param_groups, posterior_lr, posterior_optimizer
 from bayesify.train.loss import LossTerms, elbo_loss
-from bayesify.tuning_api import param_groups, posterior_lr, posterior_optimizer, tune
-
-__version__ = "0.1.0"
+from bayesify.train.tuning import tune
+from bayesify.version import __version__
 
 
 def describe_method(method: str) -> list[tuple[str, object, str]]:
@@ -45,12 +46,15 @@ __all__ = [
     "BayesianModel",
     "BayesifyError",
     "EnsemblePredictor",
+    "FitContext",
+    "Knob",
     "LossTerms",
     "MethodConfig",
     "ModelOutputError",
     "ModelPredictor",
     "NonFiniteLossError",
     "Prediction",
+    "Step",
     "__version__",
     "bayesify",
     "describe_method",

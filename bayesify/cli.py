@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from bayesify import plots
 from bayesify.cli_inputs import (
     BASE_FILE,
     CALIBRATION_FILE,
@@ -95,8 +96,8 @@ def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
     cls = get_method_class(args.method)
     options = {**key_values(args.option, "--option"),
                **family_options(args, args.method)}
-    family = cls(check_family_options(args.method, options))
-    fit_kwargs: dict[str, Any] = {} if family.training == "curvature" else {"epochs": 5}
+    step = cls(check_family_options(args.method, options)).step()
+    fit_kwargs: dict[str, Any] = {"epochs": 5} if step.optimizes else {}
     for key, value in (("epochs", args.epochs), ("lr", args.lr),
                        ("kl_anneal_epochs", args.kl_anneal_epochs)):
         if value is not None:
@@ -109,10 +110,10 @@ def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
     if unknown:
         raise BayesifyError(f"unknown fit option(s) {unknown} for method {args.method!r}; "
                             f"known: {sorted(known)}")
-    refused = sorted(set(fit_kwargs) & set(family.unsupported_fit_options))
+    refused = sorted(set(fit_kwargs) & set(step.refused))
     if refused:
         raise BayesifyError(f"method {args.method!r} cannot honour fit option(s) {refused}: "
-                            f"{family.unsupported_reason()}")
+                            f"{step.refusal}")
     check_out(Path(args.out))
     return options, fit_kwargs
 
@@ -159,10 +160,10 @@ def _fit_or_tune(bnn: Any, loaders: dict[str, Any], args: argparse.Namespace,
     """``fit``; a family with nothing to train (post-hoc MC dropout, ``--no-train-weights``)
     skips the training pass and only runs the validation search (``bayesify.tune``)."""
     from bayesify.train.loop import fit
-    from bayesify.tuning_api import tune
+    from bayesify.train.tuning import tune
 
     trainable = any(p.requires_grad for p in bnn.posterior_parameters())
-    if bnn.method.training == "elbo" and not trainable and not args.base_lr:
+    if bnn.method.step().optimizes and not trainable and not args.base_lr:
         if is_main():
             print(f"bayesify: {args.method} has no trainable posterior parameters: no training "
                   "pass, the validation search only", file=sys.stderr)
@@ -184,7 +185,6 @@ def _add_evaluate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_evaluate(args: argparse.Namespace) -> int:
-    from bayesify import metrics
 
     out = Path(args.out or (Path(args.posterior) / "evaluate" if args.posterior
                             else "bayesify-eval"))
@@ -213,12 +213,12 @@ def _run_evaluate(args: argparse.Namespace) -> int:
         if is_main() and not args.no_plots:
             pred = raw.scaled(predictor.temperature)
             conf, guess = pred.probs.max(-1)
-            metrics.save_reliability_diagram(
+            plots.save_reliability_diagram(
                 {result["method"]: (conf, (guess == labels).float())}, stage / "reliability.png")
             groups = {f"{args.split} (in distribution)": _uncertainty(pred)}
             if ood is not None:
                 groups["OOD"] = _uncertainty(ood.scaled(predictor.temperature))
-            metrics.save_entropy_histogram({result["method"]: groups},
+            plots.save_uncertainty_histograms({result["method"]: groups},
                                            stage / "uncertainty_hist.png", bundle.num_classes)
     if is_main():
         print(format_metrics(result))

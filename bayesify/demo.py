@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from bayesify import metrics
+from bayesify import plots
 from bayesify.core.factory import bayesify
 from bayesify.data.digits import digits_loaders, load_digits_splits
 from bayesify.data.models import DigitsCNN, train_map
@@ -100,8 +100,8 @@ def _plots(predictors: dict[str, BasePredictor], loaders: dict[str, DataLoader],
         curves[name] = (test["confidence"], test["correct"])
         groups[name] = {"in distribution (0–4)": {k: test[k] for k in ("entropy", "epistemic")},
                         "OOD (5–9)": {k: ood[k] for k in ("entropy", "epistemic")}}
-    metrics.save_reliability_diagram(curves, out_dir / "reliability.png")
-    metrics.save_entropy_histogram(groups, out_dir / "uncertainty_hist.png", num_classes)
+    plots.save_reliability_diagram(curves, out_dir / "reliability.png")
+    plots.save_uncertainty_histograms(groups, out_dir / "uncertainty_hist.png", num_classes)
 
 
 def _cell(row: dict[str, Any], column: str) -> str:

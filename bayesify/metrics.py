@@ -7,8 +7,6 @@ Conventions: ``probs [N, C]`` (mixture mean), ``member_probs [M, N, C]``,
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -160,23 +158,3 @@ def ood_auroc(scores_in: torch.Tensor, scores_ood: torch.Tensor) -> float | None
     if not has_signal(scores_in, scores_ood):
         return None
     return auroc(scores_in, scores_ood)
-
-
-def save_reliability_diagram(
-    curves: dict[str, tuple[torch.Tensor, torch.Tensor]], path: str | Path, n_bins: int = 15
-) -> Path:
-    """PNG reliability diagram with per-bin counts and a confidence histogram;
-    ``curves`` maps a label to ``(confidence, correct)`` (see :mod:`bayesify.plots`)."""
-    from bayesify.plots import save_reliability_diagram as save
-
-    return save(curves, path, n_bins)
-
-
-def save_entropy_histogram(
-    groups: dict[str, dict[str, Any]], path: str | Path, num_classes: int
-) -> Path:
-    """PNG of uncertainty histograms; ``groups[method][split]`` = entropies ``[N]`` or
-    ``{"entropy": [N], "epistemic": [N]}`` (entropy and MI columns; see :mod:`bayesify.plots`)."""
-    from bayesify.plots import save_uncertainty_histograms
-
-    return save_uncertainty_histograms(groups, path, num_classes)

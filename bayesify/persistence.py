@@ -21,7 +21,6 @@ import copy
 import hashlib
 import json
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,11 +28,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from bayesify.core.digests import (  # noqa: F401 - re-exported (checkpoints, users)
+    fingerprint,
+    fingerprint_from_digests,
+    tensor_digest,
+    tensor_digests,
+)
+from bayesify.core.extensions import provide
 from bayesify.errors import BayesifyError
-from bayesify.posterior_format import (  # noqa: F401 - read_tensor_header re-exported
+from bayesify.posterior_format import (  # noqa: F401 - re-exported (the public names)
+    BASE_PREFIX,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
+    MAX_MANIFEST_DEPTH,
     SAFETENSORS_DTYPES,
+    TENSOR_FILE,
+    _check_manifest_structure,
+    _manifest_checksum,
     dtype_record,
     header_from_bytes,
+    read_manifest,
     read_tensor_header,
     restore_dtypes,
 )
@@ -41,49 +57,12 @@ from bayesify.posterior_format import (  # noqa: F401 - read_tensor_header re-ex
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
-FORMAT = "bayesify-posterior"
-FORMAT_VERSION = 2
-BASE_PREFIX = "base."
-TENSOR_FILE = "posterior.safetensors"
-MANIFEST_FILE = "bayesify.json"
-
-
-def tensor_digest(name: str, tensor: torch.Tensor) -> str:
-    """sha256 over ``(name, dtype, shape, bytes)`` of one tensor."""
-    digest = hashlib.sha256(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-    if tensor.is_meta:  # a dry run on the meta device: no bytes to hash
-        return digest.hexdigest()
-    tensor = tensor.detach().cpu().contiguous()
-    digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def tensor_digests(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """:func:`tensor_digest` of every tensor of a ``state_dict``."""
-    return {name: tensor_digest(name, state[name]) for name in state}
-
-
-def fingerprint_from_digests(digests: Mapping[str, str]) -> str:
-    """sha256 over the per-tensor digests in sorted name order."""
-    return hashlib.sha256("\n".join(f"{k}={digests[k]}" for k in sorted(digests)).encode()).hexdigest()
-
-
-def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
-    """Fingerprint of a ``state_dict``: :func:`fingerprint_from_digests` of its tensors."""
-    return fingerprint_from_digests(tensor_digests(state))
-
-
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in manifest.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def posterior_tensors(bnn: BayesianModel) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
@@ -113,8 +92,8 @@ def build_manifest(bnn: BayesianModel, tensors: dict[str, torch.Tensor], buffer_
     """The manifest of a save and its JSON text; every check the loader runs on its
     structure runs here too, so a save that could not be read back fails before the
     first byte is written."""
-    from bayesify import __version__
     from bayesify.core.outputs import output_fn_of, output_fn_record
+    from bayesify.version import __version__
 
     manifest: dict[str, Any] = {
         "format": FORMAT,
@@ -185,124 +164,6 @@ def unusable_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
 
 
 #: a manifest is a few KiB; anything far larger is not one of ours
-MAX_MANIFEST_BYTES = 16 << 20
-#: nesting depth allowed anywhere in the manifest (configs are flat)
-MAX_MANIFEST_DEPTH = 32
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-#: key → (JSON type(s), what it must be), checked before anything reads them
-_MANIFEST_KEYS: dict[str, tuple[type | tuple[type, ...], str]] = {
-    "format": (str, "a string"),
-    "format_version": (int, "a positive integer"),
-    "method": (str, "a method name"),
-    "config": (dict, "an object of config options"),
-    "targets": (list, "a list of module names"),
-    "parameters": (list, "a list of tensor names"),
-    "state": (list, "a list of tensor names"),
-    "base_tensors": (list, "a list of tensor names"),
-    "base_fingerprint": (str, "a sha256 hex digest"),
-    "posterior_sha256": (str, "a sha256 hex digest"),
-    "checksum": (str, "a sha256 hex digest"),
-}
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of a JSON value, iteratively (no recursion on hostile input)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        deepest = max(deepest, level)
-        if isinstance(item, dict):
-            stack.extend((v, level + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, level + 1) for v in item)
-    return deepest
-
-
-def _check_manifest_structure(manifest: dict[str, Any], path: Path) -> None:
-    for key, (kind, what) in _MANIFEST_KEYS.items():
-        if key not in manifest:
-            raise BayesifyError(f"{path} lacks the key {key!r}; the manifest is damaged or was "
-                                "edited: re-save the posterior with bnn.save_posterior(dir)")
-        value = manifest[key]
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise BayesifyError(f"{path}: {key!r} must be {what}, got {type(value).__name__} "
-                                f"{str(value)[:80]!r}")
-    for key in ("targets", "parameters", "state", "base_tensors"):
-        names = manifest[key]
-        if not all(isinstance(n, str) and n for n in names):
-            raise BayesifyError(f"{path}: every entry of {key!r} must be a non-empty string")
-        if len(set(names)) != len(names):
-            raise BayesifyError(f"{path}: {key!r} lists a name twice")
-    both = set(manifest["parameters"]) & set(manifest["state"])
-    if both:
-        raise BayesifyError(f"{path}: {sorted(both)[:5]} are listed as parameters and as state")
-    for key in ("base_fingerprint", "posterior_sha256", "checksum", "base_fingerprint_saved"):
-        if key in manifest and not (isinstance(manifest[key], str)
-                                    and _SHA256.fullmatch(manifest[key])):
-            raise BayesifyError(f"{path}: {key!r} must be a sha256 hex digest, got "
-                                f"{manifest[key][:80]!r}")
-    if not all(isinstance(k, str) for k in manifest["config"]):
-        raise BayesifyError(f"{path}: 'config' keys must be option names")
-    stored_fn = manifest.get("output_fn")
-    if not (stored_fn is None or (isinstance(stored_fn, (str, int)) and not isinstance(stored_fn, bool))
-            or (isinstance(stored_fn, dict) and isinstance(stored_fn.get("callable"), str))):
-        raise BayesifyError(f"{path}: 'output_fn' must be a name, an index or "
-                            f"{{'callable': name}}, got {str(stored_fn)[:80]!r}")
-    dtypes = manifest.get("dtypes", {"default": None})
-    if not (isinstance(dtypes, dict) and isinstance(dtypes.get("except", {}), dict)):
-        raise BayesifyError(f"{path}: 'dtypes' must be an object with 'default' and 'except'")
-
-
-def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
-    """The checked ``bayesify.json`` of a saved posterior.
-
-    Checked, in order, before any value is used: size, valid JSON, nesting depth,
-    format, ``format_version`` (an integer, not ``true``), every required key with
-    its JSON type, then the checksum. Every failure is a :class:`BayesifyError`.
-    """
-    path = Path(directory) / MANIFEST_FILE
-    if not path.is_file():
-        raise BayesifyError(f"no {MANIFEST_FILE} in {directory}: not a saved posterior "
-                            "(write one with bnn.save_posterior(dir))")
-    size = path.stat().st_size
-    if size > MAX_MANIFEST_BYTES:
-        raise BayesifyError(f"{path} is {size} bytes, far more than a posterior manifest "
-                            f"(limit {MAX_MANIFEST_BYTES}); it is not one")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BayesifyError(f"{path} is not valid JSON ({err}); the file is damaged") from err
-    except RecursionError as err:
-        raise BayesifyError(f"{path} is nested too deeply to be a posterior manifest") from err
-    if _depth(manifest) > MAX_MANIFEST_DEPTH:
-        raise BayesifyError(f"{path} is nested deeper than {MAX_MANIFEST_DEPTH} levels; a "
-                            "posterior manifest is flat")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise BayesifyError(f"{path} is not a bayesify posterior manifest "
-                            f"(format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
-    version = manifest.get("format_version")
-    if type(version) is not int or version < 1:
-        raise BayesifyError(f"{path} has an invalid format_version {version!r} (a positive "
-                            f"integer, {FORMAT_VERSION} for this bayesify)")
-    if version < FORMAT_VERSION:
-        raise BayesifyError(
-            f"{path} has format version {version}, written by bayesify "
-            f"{manifest.get('bayesify_version')} before posterior state and base fingerprints "
-            f"were redone (version {FORMAT_VERSION}); refit and save the posterior again"
-        )
-    if version > FORMAT_VERSION:
-        raise BayesifyError(
-            f"{path} has format version {version}, newer than this bayesify supports "
-            f"({FORMAT_VERSION}; it was written by bayesify "
-            f"{manifest.get('bayesify_version')}); upgrade bayesify to load it"
-        )
-    _check_manifest_structure(manifest, path)
-    if manifest.get("checksum") != _manifest_checksum(manifest):
-        raise BayesifyError(f"{path} was modified after it was written (checksum mismatch); "
-                            "re-save the posterior instead of editing the manifest")
-    return manifest
-
-
 def _meta_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers live on the meta device."""
     memo: dict[int, Any] = {}
@@ -474,3 +335,6 @@ def _load_tensors(bnn: BayesianModel, params: dict[str, torch.Tensor],
     with torch.no_grad():
         for name, param in params.items():
             param.copy_(tensors[name])
+
+
+provide("save_posterior", save_posterior)  # bnn.save_posterior(dir)

@@ -32,7 +32,7 @@ from typing import Any
 
 from bayesify.atomic_files import directory_lock, fsync_directory, replace, write_temp
 from bayesify.errors import BayesifyError
-from bayesify.persistence import MANIFEST_FILE, TENSOR_FILE, read_manifest
+from bayesify.posterior_format import MANIFEST_FILE, TENSOR_FILE, read_manifest
 
 __all__ = ["commit_posterior", "move_posterior", "read_committed"]
 

@@ -1,52 +1,174 @@
-"""Assemble benchmarks/RESULTS.md from the per-area fragments in benchmarks/results/.
+"""Assemble benchmarks/RESULTS.md, organised by capability, from benchmarks/results/*.md.
 
-Each benchmark script writes its own fragment (command, machine, date, figures);
-this keeps RESULTS.md one readable document: `python benchmarks/collect_results.py`.
+Each benchmark script writes its own fragment (command, machine, date, figures) under
+``benchmarks/results/``; this file says which part of which fragment answers which
+question (quality, speed, scale, export, persistence) and which command regenerates
+it, and stamps every part with the commit and date its fragment was last written::
+
+    python benchmarks/collect_results.py
+
+A part is a whole fragment (its title dropped), one ``## `` section of it, or one
+``**bold**``-headed paragraph group of it. Nothing is re-measured here.
 """
 
 from __future__ import annotations
 
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).parent
-ORDER = [
-    ("overhead.md", "Overhead of every family vs the plain model (issues 2, 4, 5, 6, 8)"),
-    ("quality.md", "Quality vs peers on the digits protocol (issue 8)"),
-    ("issue3.md", "Data-parallel training throughput (issue 3)"),
-    ("issue4.md", "Batch-tiled families (issue 4)"),
-    ("issue5.md", "SWAG and Laplace (issue 5)"),
-    ("issue6.md", "Mean-field and hypernetwork posteriors (issue 6)"),
-    ("issue7.md", "Calibration, export and persistence (issue 7)"),
-    ("issue9.md", "Active learning (issue 9)"),
-    ("issue13.md", "Defaults on a pretrained network, every family (issue 13)"),
-    ("issue15.md", "One loop and posterior state (issue 15)"),
+RESULTS = HERE / "results"
+
+
+@dataclass(frozen=True)
+class Part:
+    fragment: str  # file under benchmarks/results/
+    title: str  # heading in RESULTS.md
+    command: str  # what regenerates it
+    section: str | None = None  # "## heading" / "**bold**" prefix inside the fragment; None: all
+
+
+CAPABILITIES: list[tuple[str, str, list[Part]]] = [
+    ("Quality", ("How good the posteriors are: NLL, calibration, shift and OOD against peers "
+     "and the starting network."), [
+        Part("issue13.md", "Defaults on a pretrained network, every family",
+             "python benchmarks/defaults.py --seeds 0 1 2"),
+        Part("quality.md", "Against peers on the digits protocol (MAP, deep ensemble, "
+             "other libraries)", "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 "
+             "--threads 1 && python benchmarks/quality_table.py"),
+        Part("issue7.md", "Temperature scaling, every family",
+             "python benchmarks/issue7.py --out benchmarks/results/issue7.json",
+             section="## Temperature scaling"),
+        Part("issue4.md", "Batch-tiled families on the digits demo",
+             "bayesify demo --methods ibnn,rank1,batchensemble,dropout,ensemble --seed S",
+             section="## Digits demo protocol"),
+        Part("issue5.md", "SWAG and Laplace on the digits demo",
+             "bayesify demo --methods laplace,swag --seed S", section="## Digits protocol"),
+        Part("issue6.md", "Mean-field and hypernet on the digits demo",
+             "bayesify demo --methods meanfield,hypernet --seed S",
+             section="## 3. Digits protocol"),
+        Part("issue15.md", "Laplace's epistemic part",
+             "bayesify fit --method laplace --map-epochs 10 && bayesify evaluate",
+             section="**Laplace epistemic part**"),
+        Part("issue9.md", "Active learning (BALD and friends) on digits",
+             "python examples/active_learning.py --seeds 3 --rounds 15 "
+             "--out benchmarks/results/active_learning.png --json al.json"),
+    ]),
+    ("Speed and overhead", ("What a posterior costs against the plain model, in training and "
+     "prediction."), [
+        Part("overhead.md", "Every family vs the plain model (CPU)",
+             "python benchmarks/overhead.py --reps 10 --threads 1"),
+        Part("issue4.md", "Batch-tiled families (timm resnet18)",
+             "python benchmarks/overhead_tiled.py --steps 10 --warmup 2 --threads 1",
+             section="## Overhead on timm resnet18"),
+        Part("issue5.md", "SWAG and Laplace", "python benchmarks/overhead_posthoc.py --reps 10",
+             section="## Overhead"),
+        Part("issue6.md", "Mean-field and hypernet (timm resnet18)",
+             "python benchmarks/overhead_weightspace.py --skip-memory",
+             section="## 1. Overhead"),
+        Part("issue6.md", "ResNet-50 memory of the weight-space families",
+             "python benchmarks/overhead_weightspace.py --skip-timing",
+             section="## 2. ResNet-50 memory"),
+        Part("issue15.md", "GPU", "python benchmarks/gpu.py --json benchmarks/results/gpu.json",
+             section="**GPU**"),
+    ]),
+    ("Scale: data parallel", "Throughput and equivalence under torchrun (DDP).", [
+        Part("issue3.md", "Data-parallel throughput", "python benchmarks/ddp_scaling.py --json "
+             "bench.json"),
+        Part("issue15.md", "Two ranks equal one process, every family",
+             'pytest tests/test_one_loop.py -k "torchrun or ranks"',
+             section="**Data-parallel equivalence of the one loop**"),
+    ]),
+    ("Export", "Plain torch.export / ONNX modules that predict like the in-process predictor.", [
+        Part("issue7.md", "Export round trips",
+             "python benchmarks/issue7.py --out benchmarks/results/issue7.json",
+             section="## Export round trips"),
+        Part("issue7.md", "Exported vs in-process throughput (CPU)",
+             "python benchmarks/issue7.py --out benchmarks/results/issue7.json",
+             section="## Exported vs in-process predictor throughput"),
+    ]),
+    ("Persistence", "Saving the posterior alone, loading it onto the base network, resuming.", [
+        Part("issue7.md", "Posterior files", "python benchmarks/issue7.py --out "
+             "benchmarks/results/issue7.json", section="## Persistence"),
+        Part("issue15.md", "Posterior state round trips",
+             "pytest tests/test_one_loop.py tests/test_registry_state.py",
+             section="**Posterior state**"),
+    ]),
 ]
 
 HEADER = """# bayesify benchmark results
 
-Every figure below names its command, machine and date. Machines here are shared
-and noisy: compare ratios measured in the same run, not absolute times across runs.
-Unless a section says otherwise the machine is the 2-core CPU sandbox with no GPU
-(2026-11-21); no GPU was available to the sessions that produced these numbers, so
-the GPU sections of `overhead.py` and `ddp_scaling.py` have not been run yet.
-This file is assembled by `python benchmarks/collect_results.py` from
-`benchmarks/results/*.md`.
+Organised by capability: quality, speed and overhead, scale (data parallel), export,
+persistence. Every part names the command that regenerates it and the commit and date its
+numbers come from (the fragment under `benchmarks/results/` the script wrote). Machines
+here are shared and noisy: compare ratios measured in the same run, not absolute times
+across runs. Unless a part says otherwise the machine is the 2-core CPU sandbox with no
+GPU; no GPU was available to the sessions that produced these numbers, so the GPU parts
+of `overhead.py`, `ddp_scaling.py` and `gpu.py` have not been run yet. This file is
+assembled by `python benchmarks/collect_results.py`; edit the fragments, not this file.
 """
+
+
+def provenance(path: Path) -> str:
+    """``commit (date)`` of the last commit that wrote ``path`` ("uncommitted" otherwise)."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%h (%ad)", "--date=short", "--",
+                              str(path)], capture_output=True, text=True, cwd=HERE, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown commit"
+    return out.stdout.strip() or "uncommitted"
+
+
+def section_of(lines: list[str], section: str | None) -> list[str]:
+    """The lines of ``section`` (a ``## `` heading or a ``**bold**`` paragraph prefix up to
+    the next one of the same kind); the whole fragment without its ``# `` title for None."""
+    if section is None:
+        return lines[1:] if lines and lines[0].startswith("# ") else lines
+    start = next((i for i, line in enumerate(lines) if line.startswith(section)), None)
+    if start is None:
+        raise SystemExit(f"section {section!r} not found")
+    bold = section.startswith("**")
+    end = len(lines)
+    for i in range(start + 1, len(lines)):
+        line = lines[i]
+        if (bold and line.startswith("**")) or (not bold and line.startswith("## ")):
+            end = i
+            break
+    body = lines[start:end]
+    return body[1:] if not bold else body  # a ## heading is replaced by the part's title
+
+
+def machine_note(lines: list[str]) -> list[str]:
+    """The fragment's ``Machine: …`` paragraph (before its first section), if any."""
+    intro: list[str] = []
+    for line in lines[1:] if lines and lines[0].startswith("# ") else lines:
+        if line.startswith(("## ", "**")):
+            break
+        intro.append(line)
+    text = "\n".join(intro).split("\n\n")
+    return [p.strip() for p in text if p.strip().startswith("Machine")][:1]
+
+
+def render_part(part: Part) -> str:
+    path = RESULTS / part.fragment
+    lines = path.read_text().strip().splitlines()
+    body = section_of(lines, part.section)
+    if part.section is not None:
+        body = machine_note(lines) + [""] + body
+    # the fragment's own headings sit below the part's ### title
+    depth = "##" if part.section is None else "#"
+    body = [depth + line if line.startswith("#") else line for line in body]
+    stamp = (f"_Regenerate: `{part.command}` · numbers: `benchmarks/results/{part.fragment}`, "
+             f"commit {provenance(path)}_")
+    return f"### {part.title}\n\n{stamp}\n\n" + "\n".join(body).strip() + "\n"
 
 
 def main() -> None:
     parts = [HEADER]
-    for name, title in ORDER:
-        path = HERE / "results" / name
-        if not path.exists():
-            continue
-        body = path.read_text().strip().splitlines()
-        if body and body[0].startswith("# "):
-            body = body[1:]  # the fragment's own title becomes a section heading
-        # demote the fragment's headings one level below its section
-        body = ["#" + line if line.startswith("#") and not line.startswith("#!") else line
-                for line in body]
-        parts.append(f"\n## {title}\n\n_Source: `benchmarks/results/{name}`_\n\n" + "\n".join(body).strip() + "\n")
+    for title, summary, pieces in CAPABILITIES:
+        parts.append(f"\n## {title}\n\n{summary}\n")
+        parts.extend(render_part(piece) for piece in pieces)
     (HERE / "RESULTS.md").write_text("\n".join(parts))
 
 

@@ -38,7 +38,8 @@ from overhead import interleaved
 
 import bayesify
 from bayesify.core.batch import Batch
-from bayesify.train.steps import TrainForward, TrainState, build_optimizer, train_step
+from bayesify.train.context import TrainState
+from bayesify.train.steps import TrainForward, build_optimizer, train_step
 
 N_TRAIN = 1_281_167  # ImageNet-1k: the KL weight of a real run
 
@@ -96,6 +97,12 @@ class Setup:
         return forward
 
 
+def rows_per_example(bnn: Any, batch: int, device: Any) -> int:
+    """How many training rows the family's step makes of one example (its batch layout)."""
+    layout = getattr(bnn.method.step(), "layout", None)
+    return 1 if layout is None else layout.components(batch, device).shape[0] // batch
+
+
 def family_row(setup: Setup, model_name: str, method: str, *, base_lr: float, compiled: bool,
                members: int, reps: int) -> dict[str, Any]:
     bnn = bayesify.bayesify(copy.deepcopy(setup.model), method).to(setup.device)
@@ -104,17 +111,19 @@ def family_row(setup: Setup, model_name: str, method: str, *, base_lr: float, co
                                       f"{'compile' if compiled else 'eager'}"}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    if bnn.method.training != "curvature":
-        tiling = bnn.method.train_components(setup.batch, setup.device).shape[0] // setup.batch
+    if bnn.method.step().optimizes:
+        tiling = rows_per_example(bnn, setup.batch, setup.device)
         rows = max(1, setup.batch // tiling)
         opt = build_optimizer(bnn, lr=1e-3, base_lr=base_lr, optimizer="sgd", momentum=0.9,
                               weight_decay=0.0, base_weight_decay=0.0)
         state = TrainState(bnn=bnn, optimizer=opt, base_lrs=[g["lr"] for g in opt.param_groups],
                            schedules=["constant"] * len(opt.param_groups), epochs=1,
-                           steps_per_epoch=0, n_train=N_TRAIN, kl_anneal_epochs=0.0,
+                           steps_per_epoch=1000, n_train=N_TRAIN, kl_anneal_epochs=0.0,
                            beta_max=1.0, amp=setup.amp)
-        bnn.method.begin_fit(bnn, steps_per_epoch=1000, epochs=1)  # SWAG: snapshot period
-        forward = TrainForward(bnn, torch.Generator(device=setup.device).manual_seed(0))
+        state.family.begin(state)  # SWAG: snapshot period
+        state.steps_per_epoch = 0
+        forward = TrainForward(bnn, torch.Generator(device=setup.device).manual_seed(0),
+                               state.family)
         state.forward = torch.compile(forward) if compiled else forward
         batch = Batch((setup.x[:rows],), {}, setup.y[:rows])
         plain = setup.plain_step(compiled)
@@ -189,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         setup = Setup(model, batch=args.batch, size=size, cnn=cnn, device=device)
         for method in args.methods:
             for compiled in ([False] if args.no_compile else [False, True]):
-                curvature = bayesify.get_method_class(method).training == "curvature"
+                curvature = not bayesify.get_method_class(method)(
+                    bayesify.get_method_class(method).config_cls()).step().optimizes
                 for base_lr in ((0.0,) if curvature else (0.0, 1e-4)):
                     start = time.perf_counter()
                     try:

@@ -94,7 +94,7 @@ def main() -> None:
             torch.manual_seed(0)
             bnn = bayesify(copy.deepcopy(base), name)  # the library defaults (no recipes)
             fit_kwargs: dict = {"val_loader": loaders["val"]}
-            if args.epochs is not None and bnn.method.training != "curvature":
+            if args.epochs is not None and bnn.method.step().optimizes:
                 fit_kwargs["epochs"] = args.epochs
             fit(bnn, loaders["train"], progress=False, **fit_kwargs)
             predictor = bnn.predictor()

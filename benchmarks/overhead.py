@@ -104,16 +104,17 @@ class Bench:
 
 
 def bayesify_row(bench: Bench, name: str, members: int, reps: int) -> dict[str, Any]:
-    cls = bayesify.get_method_class(name)
     recipe: dict[str, Any] = {}  # the library defaults: families have no recipes any more
     options = dict(OVERHEAD_OPTIONS.get(name, {}))
     bnn = bayesify.bayesify(copy.deepcopy(bench.model), name, **options).to(bench.device)
     row: dict[str, Any] = {"row": f"bayesify:{name}", "options": options}
-    if cls.training != "curvature":
+    if bnn.method.step().optimizes:
         bnn.set_base_trainable(False)
         params = [p for p in bnn.posterior_parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9, nesterov=True)
-        reps_rows = bnn.method.train_components(bench.batch, bench.device).shape[0] // bench.batch
+        layout = getattr(bnn.method.step(), "layout", None)
+        reps_rows = (1 if layout is None
+                     else layout.components(bench.batch, bench.device).shape[0] // bench.batch)
         x, y = bench.x[: max(1, bench.batch // reps_rows)], bench.y[: max(1, bench.batch // reps_rows)]
 
         def step() -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bayesify import bayesify
-from bayesify.train.loop import build_optimizer
+from bayesify.train.steps import build_optimizer
 
 FAMILIES = {
     "rank1": {"components": 4, "init": "normal", "init_mean_std": 0.25},
@@ -112,7 +112,7 @@ def _family_callables(bnn, x, y, sync):
     """(training step, prediction, rows per step, predictive members) of one family."""
     opt = build_optimizer(bnn, lr=1e-3, base_lr=0.0, optimizer="sgd", momentum=0.9,
                           weight_decay=0.0, base_weight_decay=0.0)
-    rows = bnn.method.train_components(x.shape[0], x.device).shape[0]
+    rows = bnn.method.step().layout.components(x.shape[0], x.device).shape[0]
 
     def step() -> None:
         bnn.train()

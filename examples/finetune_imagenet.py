@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
         "compile": args.compile, "checkpoint_every_steps": args.checkpoint_every_steps}
     # flags a family cannot honour (Laplace's one curvature pass takes no lr, momentum,
     # ...) are dropped when left at their defaults, and refused by fit when set
-    for key in bnn.method.unsupported_fit_options:
+    for key in bnn.method.step().refused:
         flag = {"amp": "amp", "channels_last": "channels_last"}.get(key, key)
         if key in training and (getattr(args, flag, None) == parser.get_default(flag)
                                 or key in ("amp", "channels_last")

@@ -19,7 +19,7 @@ from tests.test_registry_state import loader, model
 def test_compiled_fit_equals_eager(method):
     def run(compile_option):
         bnn = bayesify(model(), method)
-        kw = ({} if bnn.method.training == "curvature"
+        kw = ({} if not bnn.method.step().optimizes
               else {"epochs": 1, "n_train": 5000, "seed": 0, "compile": compile_option})
         fit(bnn, loader(n=24), progress=False, **kw)
         return bnn.posterior_tensors()

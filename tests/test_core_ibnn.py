@@ -88,7 +88,7 @@ def test_noise_on_tokens_is_shared_over_tokens():
 
 def test_training_layout_repeats_and_round_robin():
     bnn = bayesify(nn.Sequential(identity_conv(2)), "ibnn", components=4, samples=2)
-    comp = bnn.method.train_components(4, torch.device("cpu"))
+    comp = bnn.method.step().layout.components(4, torch.device("cpu"))
     assert comp.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
     # deterministic: row r is scaled by the mean of component r % K
     with torch.no_grad():

@@ -19,7 +19,7 @@ from pretrained_nets import digits_classifier, minilm_classifier, minilm_path
 
 import bayesify
 from bayesify.core.batch import iter_batches
-from bayesify.core.predictive_scale import SPREAD_GRID, TEMPERATURE_GRID
+from bayesify.kit.knobs import SPREAD_GRID, TEMPERATURE_GRID
 
 FAMILIES = bayesify.list_methods()
 NLL_TOLERANCE = 0.01
@@ -141,7 +141,7 @@ def test_knob_zero_is_the_mean_network(method):
     bnn.eval()
     x = torch.randn(4, 1, 8, 8)
     bnn.state.set(KNOBS[method], 0.0)
-    method_obj, k = bnn.method, bnn.method.default_samples_per_component()
+    method_obj, k = bnn.method, bnn.posterior_config.default_samples()
     with torch.no_grad():
         noisy = method_obj.member_logits(bnn, x, samples_per_component=k, max_rows=10_000, seed=1)
         means = method_obj.member_logits(bnn, x, samples_per_component=k, max_rows=10_000, seed=1,
@@ -151,7 +151,7 @@ def test_knob_zero_is_the_mean_network(method):
 
 def test_knob_is_one_while_training_and_reset_by_fit():
     """The knob shapes the predictive only: training sees the learned spread (1)."""
-    from bayesify.core.predictive_scale import knob_value
+    from bayesify.kit.knobs import knob_value
 
     bnn = bayesify.bayesify(_tiny_net(), method="ibnn")
     layer = next(iter(bnn.bayesian_layers().values()))

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from bayesify import BayesifyError, bayesify, fit
 from bayesify.data.digits import digits_loaders
 from bayesify.data.models import DigitsCNN, train_map
+from bayesify.methods.laplace import state as laplace_state
 from bayesify.predict.export import build_exported_predictor, run_exported
 
 
@@ -85,7 +86,7 @@ def test_laplace_probit_equals_dense_covariance_closed_form(small, digits):
     module = build_exported_predictor(predictor, x)
     with torch.no_grad():
         probs, epistemic = module(x)
-        layer = bnn.method._layers(bnn)["fc"]
+        layer = laplace_state.layers(bnn)["fc"]
         net = bnn.unwrap().eval()
         a = net.features(x).double()
         feats = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], 1)  # ã [B, D']

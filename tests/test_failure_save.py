@@ -196,7 +196,7 @@ def test_numpy_scalars_in_a_config_are_normalised(tmp_path):
     assert manifest["config"]["prior_std"] == pytest.approx(0.25)
     assert type(manifest["config"]["components"]) is int
     assert same(load_posterior(base(), tmp_path), bnn)
-    object.__setattr__(bnn.config, "prior_std", np.float32(0.5))  # past the config's checks
+    object.__setattr__(bnn.posterior_config, "prior_std", np.float32(0.5))  # past the config's checks
     bnn.save_posterior(tmp_path)
     assert json.loads((tmp_path / P.MANIFEST_FILE).read_text())["config"]["prior_std"] == 0.5
 

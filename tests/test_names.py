@@ -50,7 +50,7 @@ def test_custom_loop_helpers_match_fit():
 
     bnn = bz.bayesify(model(), "ibnn")
     opt = bz.posterior_optimizer(bnn)
-    assert bz.posterior_lr(bnn) == bnn.method.default_lr() == opt.param_groups[0]["lr"]
+    assert bz.posterior_lr(bnn) == bnn.method.step().defaults["lr"] == opt.param_groups[0]["lr"]
     assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["nesterov"]
     ids = {id(p) for g in opt.param_groups for p in g["params"]}
     assert ids == {id(p) for p in bnn.posterior_parameters()}

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from bayesify import BayesianLayer, BayesifyError, bayesify, get_method_class, list_methods
+from bayesify import BayesianLayer, BayesifyError, bayesify, list_methods
 from bayesify.data.models import DigitsCNN
 from bayesify.train.steps import build_optimizer
 
@@ -105,8 +105,6 @@ def test_wrap_forward_and_unwrap(method: str, model_name: str) -> None:
 @pytest.mark.parametrize("model_name", ["small_cnn", "digits_cnn"])
 @pytest.mark.parametrize("method", METHODS)
 def test_deterministic_identity(method: str, model_name: str) -> None:
-    if not get_method_class(method).has_identity:
-        pytest.skip(f"{method} declares has_identity=False")
     model = _models()[model_name]
     x, _ = _batch()
     with torch.no_grad():
@@ -124,7 +122,7 @@ def test_one_step_reduces_loss(method: str) -> None:
     bnn = bayesify(model, method, **_options(method))
     x, y = _batch(8)
     n_train = 1000
-    if not bnn.method.gradient_trained:
+    if not bnn.method.step().optimizes:
         from bayesify import fit
 
         loader = DataLoader(TensorDataset(*_batch(16)), batch_size=8)
@@ -139,7 +137,7 @@ def test_one_step_reduces_loss(method: str) -> None:
         logits, targets = bnn.training_forward(x, y)
         return F.cross_entropy(logits.float(), targets) + bnn.kl().float() / n_train
 
-    lr = 0.1 * bnn.method.default_lr()
+    lr = 0.1 * bnn.method.step().defaults["lr"]
     opt = build_optimizer(bnn, lr=lr, base_lr=0.0, optimizer="sgd", momentum=0.0,
                           weight_decay=0.0, base_weight_decay=0.0)
     before = loss_at()
@@ -157,7 +155,7 @@ def test_one_step_reduces_loss(method: str) -> None:
 def test_predict_shapes_and_normalisation(method: str) -> None:
     model = _models()["small_cnn"]
     bnn = bayesify(model, method, **_options(method))
-    if not bnn.method.gradient_trained:
+    if not bnn.method.step().optimizes:
         from bayesify import fit
 
         fit(bnn, DataLoader(TensorDataset(*_batch(16)), batch_size=8), epochs=1, progress=False)

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import BayesifyError, bayesify, fit, load_posterior
 from bayesify.methods.swag import posterior as swag_posterior
+from bayesify.methods.swag import state as swag_state
 from bayesify.train.evaluate import per_example_stats
 
 
@@ -45,12 +46,12 @@ def test_moments_match_naive_reference_from_snapshots():
         def on_step_end(self, state, terms):
             if state.global_step % 2 == 0:
                 params = dict(state.bnn.named_posterior_parameters())
-                keys = swag_posterior.parameter_keys(state.bnn.method._layers(state.bnn))
+                keys = swag_posterior.parameter_keys(swag_state.layers(state.bnn))
                 snaps.append(torch.cat([params[name].detach().reshape(-1).clone()
                                         for name, _, _ in keys]))
 
     fit(bnn, loader, epochs=3, progress=False, callbacks=[Snapshots()])
-    layers = bnn.method._layers(bnn)
+    layers = swag_state.layers(bnn)
     theta = torch.stack(snaps)  # [T, P]
     t = theta.shape[0]
     assert t == 7 and swag_posterior.snapshots(layers) == t  # 15 steps, one snapshot every 2
@@ -76,7 +77,7 @@ def test_sample_formula_and_covariance():
     loader = data((4,))
     bnn = bayesify(mlp(), "swag", max_rank=5, snapshot_every_steps=1, lr=0.05)
     fit(bnn, loader, epochs=2, progress=False)
-    layers = bnn.method._layers(bnn)
+    layers = swag_state.layers(bnn)
     mean, sq, dev = swag_posterior.flat_moments(layers)
     r = dev.shape[0]
     assert r == 5
@@ -100,7 +101,7 @@ def test_diag_variant_scale_one_and_swa_single_member():
     loader = data((4,))
     diag = bayesify(mlp(), "swag", variant="diag", snapshot_every_steps=1, lr=0.05)
     fit(diag, loader, epochs=1, progress=False)
-    layers = diag.method._layers(diag)
+    layers = swag_state.layers(diag)
     mean, sq, _ = swag_posterior.flat_moments(layers)
     g = swag_posterior.member_generator(0, 0)
     z1 = torch.cat([torch.randn(p.shape, generator=g).reshape(-1) for p in diag.base_parameters()])
@@ -180,7 +181,7 @@ def test_scale_chosen_on_validation_matches_brute_force_and_round_trips(tmp_path
     nll = []
     for scale in torch.logspace(-1, 2, 4, dtype=torch.float64).tolist():
         bnn.state.set("swag_scale", scale)
-        bnn.method._bn_cache.clear()
+        swag_state.forget_batchnorm(bnn)
         nll.append(per_example_stats(bnn.predictor(seed=0), val, device=bnn.device)["nll"].double())
     means = torch.stack([v.mean() for v in nll])
     best = int(means.argmin())

@@ -9,8 +9,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import bayesify, fit
-from bayesify.core.member_bn import MemberBatchNorm
-from bayesify.core.rank_one import gaussian_kl
+from bayesify.kit.member_bn import MemberBatchNorm
+from bayesify.kit.rank_one import gaussian_kl
+from bayesify.kit.steps import SnapshotStep
 from bayesify.methods.ensemble.layers import EnsembleLayer
 from bayesify.train.steps import build_optimizer
 
@@ -82,7 +83,7 @@ def test_rank1_kl_closed_form_and_sampling() -> None:
 @pytest.mark.parametrize("method", ["rank1", "batchensemble", "ensemble"])
 def test_tiled_training_layout(method: str) -> None:
     bnn = bayesify(_net(), method, components=3)
-    comp = bnn.method.train_components(5, torch.device("cpu"))
+    comp = bnn.method.step().layout.components(5, torch.device("cpu"))
     assert comp.tolist() == [k for k in range(3) for _ in range(5)]  # component = row // B
     logits, targets = bnn.training_forward(X, Y)
     assert logits.shape == (15, 3) and targets.tolist() == Y.tolist() * 3
@@ -202,7 +203,7 @@ def test_ensemble_members_are_independent() -> None:
 def test_snapshot_ensemble_collects_cycles() -> None:
     net = _net()
     bnn = bayesify(net, "ensemble", components=3, snapshot=True)
-    assert bnn.method.training == "snapshot"  # SGD steps of the one loop, one member per cycle
+    assert isinstance(bnn.method.step(), SnapshotStep)  # SGD steps of the one loop, one member per cycle
     loader = DataLoader(TensorDataset(X.repeat(2, 1, 1, 1), Y.repeat(2)), batch_size=5)
     result = fit(bnn, loader, epochs=3, lr=0.05, progress=False)
     assert result.last["snapshots"] == 3 and sum(r["steps"] for r in result.history) == 6

@@ -18,6 +18,7 @@ them: guessing which entry is the label silently trains on an attention mask.
 from __future__ import annotations
 
 import keyword
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -223,3 +224,44 @@ def example_batch(example: Any) -> Batch:
             )
     _ = batch.size  # raises when no input has a batch dimension
     return batch
+
+
+def tile(x: Any, reps: int) -> Any:
+    """``[B, ...]`` → ``[reps·B, ...]`` in blocks: row ``r`` is example ``r % B``.
+
+    ``x`` is a tensor or a :class:`Batch` (every input tiled)."""
+    if reps == 1:
+        return x
+    if isinstance(x, Batch):
+        return x.tile(reps)
+    return x.repeat(reps, *([1] * (x.dim() - 1)))
+
+
+def call_model(model: Any, inputs: Any) -> Any:
+    """``model(x)`` for a tensor, ``model(*args, **kwargs)`` for a :class:`Batch`."""
+    if isinstance(inputs, Batch):
+        return inputs.call(model)
+    return model(inputs)
+
+
+def batch_rows(inputs: Any) -> int:
+    """B: rows of a tensor ``[B, ...]`` or of a :class:`Batch`."""
+    return inputs.size if isinstance(inputs, Batch) else int(inputs.shape[0])
+
+
+def batch_device(inputs: Any) -> torch.device:
+    return inputs.device
+
+
+def limited_batches(loader: Any, *, fraction: float, device: torch.device | str | None = None,
+                    batch_fn: BatchFn | None = None):
+    """Inputs-only :class:`Batch` es of the first ``ceil(fraction · len(loader))`` batches
+    of ``loader`` (all of them when its length is unknown)."""
+    try:
+        limit = max(1, math.ceil(fraction * len(loader)))  # type: ignore[arg-type]
+    except TypeError:
+        limit = None
+    for i, batch in enumerate(iter_batches(loader, device=device, batch_fn=batch_fn)):
+        if limit is not None and i >= limit:
+            break
+        yield batch.inputs_only()

@@ -66,6 +66,11 @@ class MethodConfig:
     def validate(self) -> None:
         """Raise :class:`BayesifyError` for out-of-range values (overridden per family)."""
 
+    def default_samples(self) -> int:
+        """n: samples per component of the default predictor (M = K·n members);
+        ``predict_samples`` where the family has it, else 1 (deterministic members)."""
+        return int(getattr(self, "predict_samples", 1))
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}

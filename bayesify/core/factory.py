@@ -9,12 +9,12 @@ from torch import nn
 
 from bayesify.core.config import MethodConfig
 from bayesify.core.context import SamplingContext
+from bayesify.core.digests import tensor_digests
 from bayesify.core.model import BayesianModel
 from bayesify.core.outputs import OutputFn, install_output_fn, resolve_output_fn
 from bayesify.core.registry import get_method_class
 from bayesify.core.walker import plan_targets, replace_modules
 from bayesify.errors import BayesifyError
-from bayesify.persistence import tensor_digests
 
 
 def bayesify(
@@ -59,7 +59,6 @@ def bayesify(
         )
     family = method_cls(config)
     plan = plan_targets(model, family)  # validates; raises before any change
-    family.validate_plan(model, plan.targets)
 
     # every wrapper and extra module is built before the first setattr, so a failed
     # call leaves the caller's model untouched (inplace=True included)
@@ -67,14 +66,11 @@ def bayesify(
     target_model = model if inplace else copy.deepcopy(model)
     requires_grad = {n: p.requires_grad for n, p in target_model.named_parameters()}
     context = SamplingContext(family.components)
-    modules = dict(target_model.named_modules())
-    wrappers = {name: family.wrap(name, modules[name], context) for name in plan.targets}
-    extra = family.extra_wrappers(target_model, context, list(plan.targets))
-    clash = sorted(set(extra) & set(wrappers))
-    if clash:
-        raise BayesifyError(f"method {method!r} would wrap {clash[:3]} twice")
-    wrappers.update(extra)
-    replace_modules(target_model, wrappers)
+    modules = family.build(target_model, list(plan.targets), context)
+    missing = [name for name in plan.targets if name not in modules]
+    if missing:
+        raise BayesifyError(f"method {method!r} built no wrapper for target(s) {missing[:3]}")
+    replace_modules(target_model, modules)
     install_output_fn(target_model, output_fn)
 
     bnn = BayesianModel(

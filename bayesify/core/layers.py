@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from bayesify.core.context import SamplingContext
+from bayesify.core.names import in_base_layer
 from bayesify.errors import BayesifyError
 
 #: shape/configuration attributes copied from the wrapped layer (read-only views)
@@ -71,7 +72,7 @@ class BayesianLayer(nn.Module):
 
     def posterior_parameters(self) -> list[nn.Parameter]:
         """Parameters this layer adds (everything but ``base_layer``'s)."""
-        return [p for n, p in self.named_parameters() if not n.startswith("base_layer.")]
+        return [p for n, p in self.named_parameters() if not in_base_layer(n)]
 
     def kl(self) -> torch.Tensor:
         """KL(q‖p) of this layer's posterior, summed (0 for non-variational families)."""

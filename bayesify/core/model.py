@@ -11,31 +11,17 @@ import torch
 from torch import nn
 
 from bayesify.core.context import SamplingContext
+from bayesify.core.digests import fingerprint_from_digests, tensor_digest
+from bayesify.core.extensions import implementation
 from bayesify.core.layers import BayesianLayer
 from bayesify.core.locks import model_lock
-from bayesify.core.method import Method, logits_of
+from bayesify.core.names import base_name, in_base_layer, posterior_name
+from bayesify.core.outputs import logits_of
+from bayesify.core.state import PosteriorState, RuntimeCache
+from bayesify.core.walker import replace_modules
 
 if TYPE_CHECKING:
-    from bayesify.predict.predictor import EnsemblePredictor
-
-
-
-class PosteriorState(nn.Module):
-    """Family-level posterior state held as buffers (e.g. SWAG's covariance scale,
-    Laplace's training loss, the predictive temperature), saved and loaded with the
-    posterior and checkpoints like every other buffer. Families register entries in
-    ``Method.prepare`` with fixed shapes, so loading is strict."""
-
-    def add(self, name: str, value: torch.Tensor) -> None:
-        self.register_buffer(name, value.detach().clone())
-
-    def set(self, name: str, value: torch.Tensor | float) -> None:
-        buffer = self.get_buffer(name)
-        buffer.copy_(torch.as_tensor(value, dtype=buffer.dtype).reshape(buffer.shape))
-
-    def value(self, name: str) -> float:
-        return float(self.get_buffer(name).reshape(-1)[0])
-
+    from bayesify.core.method import Method
 
 class BayesianModel(nn.Module):
     """A network with posteriors injected around its target layers.
@@ -67,6 +53,8 @@ class BayesianModel(nn.Module):
         self.base_digests = dict(base_digests or {})
         self.state = PosteriorState()
         self.state.add("temperature", torch.ones((), dtype=torch.float64))
+        #: per-model caches and data sources of the family: never saved (see RuntimeCache)
+        self.runtime = RuntimeCache()
         self.bn_train = False
 
     # -- structure -------------------------------------------------------------------
@@ -99,9 +87,8 @@ class BayesianModel(nn.Module):
         """``(base-model module name + '.' + param, tensor)`` for every posterior tensor."""
         for name, layer in self.bayesian_layers().items():
             for pname, p in layer.named_parameters():
-                if not pname.startswith("base_layer."):
-                    yield f"{name}.{pname}", p
-        yield from self.method.extra_posterior_parameters(self)
+                if not in_base_layer(pname):
+                    yield posterior_name(name, pname), p
 
     def posterior_parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_posterior_parameters()]
@@ -111,8 +98,8 @@ class BayesianModel(nn.Module):
         base model's module names) and family-level state (``bayesify.<name>``)."""
         for name, layer in self.bayesian_layers().items():
             for bname, b in layer.named_buffers():
-                if not bname.startswith("base_layer.") and ".base_layer." not in f".{bname}":
-                    yield f"{name}.{bname}", b
+                if not in_base_layer(bname):
+                    yield posterior_name(name, bname), b
         for bname, b in self.state.named_buffers():
             yield f"bayesify.{bname}", b
 
@@ -123,16 +110,12 @@ class BayesianModel(nn.Module):
     @property
     def base_fingerprint(self) -> str:
         """Fingerprint of the base weights as they were when the model was wrapped."""
-        from bayesify.persistence import fingerprint_from_digests
-
         return fingerprint_from_digests(self.base_digests)
 
     def changed_base_tensors(self) -> dict[str, torch.Tensor]:
         """Base ``state_dict`` tensors that differ from the wrapped original (fine-tuned
         with ``base_lr > 0`` or BatchNorm trained): saved with the posterior, like PEFT's
         ``modules_to_save``."""
-        from bayesify.persistence import tensor_digest
-
         changed = {}
         for name, tensor in self.base_state_dict().items():
             if self.base_digests.get(name) != tensor_digest(name, tensor):
@@ -155,7 +138,7 @@ class BayesianModel(nn.Module):
         posterior = {id(p) for p in self.posterior_parameters()}
         for name, p in self.model.named_parameters():
             if id(p) not in posterior:
-                yield name.replace(".base_layer.", "."), p
+                yield base_name(name), p
 
     def base_parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_base_parameters()]
@@ -169,8 +152,12 @@ class BayesianModel(nn.Module):
         return sum(layer.num_nodes() for layer in self.bayesian_layers().values())
 
     def kl(self) -> torch.Tensor:
-        """KL(q‖p) of the whole posterior, summed over layers (not divided by N)."""
-        return self.method.kl(self)
+        """KL(q‖p) of the whole posterior, summed over the injected layers (not divided
+        by N_train; 0 for families without a variational term)."""
+        total = torch.zeros((), device=self.device)
+        for layer in self.bayesian_layers().values():
+            total = total + layer.kl().to(total.device, torch.float32)
+        return total
 
     # -- modes -------------------------------------------------------------------------
     def train(self, mode: bool = True) -> BayesianModel:
@@ -204,8 +191,9 @@ class BayesianModel(nn.Module):
         return self.model(*args, **kwargs)
 
     def training_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tiled logits ``[R, C]`` and targets ``[R]`` for one training batch."""
-        return self.method.training_forward(self, x, y)
+        """Tiled logits ``[R, C]`` and targets ``[R]`` for one training batch (the batch
+        layout of the family's step)."""
+        return self.method.step().forward(self, x, y)
 
     def member_logits(
         self,
@@ -216,7 +204,7 @@ class BayesianModel(nn.Module):
         seed: int | None = 0,
     ) -> torch.Tensor:
         """``[M, B, C]`` logits of every predictive member (M fixed networks per seed)."""
-        n = samples_per_component or self.method.default_samples_per_component()
+        n = samples_per_component or self.posterior_config.default_samples()
         with model_lock(self):  # the sampling plan is shared: one prediction at a time
             return self.method.member_logits(
                 self, x, samples_per_component=n, max_rows=max_rows, seed=seed,
@@ -226,7 +214,7 @@ class BayesianModel(nn.Module):
     def predictive(self, x: Any, *, samples_per_component: int | None = None,
                    max_rows: int = 4096, seed: int | None = 0) -> Any:
         """The raw :class:`~bayesify.core.prediction.Prediction` (members or moments)."""
-        n = samples_per_component or self.method.default_samples_per_component()
+        n = samples_per_component or self.posterior_config.default_samples()
         with model_lock(self):  # the sampling plan is shared: one prediction at a time
             return self.method.predictive(
                 self, x, samples_per_component=n, max_rows=max_rows, seed=seed,
@@ -236,17 +224,15 @@ class BayesianModel(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return logits_of(self.model(x))
 
-    def predictor(self, samples_per_component: int | None = None, **kwargs: Any) -> EnsemblePredictor:
-        """An :class:`EnsemblePredictor` over K components × n samples."""
-        from bayesify.predict.predictor import EnsemblePredictor
-
-        return EnsemblePredictor(self, samples_per_component=samples_per_component, **kwargs)
+    def predictor(self, samples_per_component: int | None = None, **kwargs: Any) -> Any:
+        """An ``EnsemblePredictor`` over K components × n samples (implemented by
+        :mod:`bayesify.predict`, registered through :mod:`bayesify.core.extensions`)."""
+        return implementation("predictor")(self, samples_per_component=samples_per_component,
+                                           **kwargs)
 
     def save_posterior(self, directory: Any) -> Any:
         """Write ``posterior.safetensors`` + ``bayesify.json``; see ``bayesify.persistence``."""
-        from bayesify.persistence import save_posterior
-
-        return save_posterior(self, directory)
+        return implementation("save_posterior")(self, directory)
 
     # -- undo / describe -----------------------------------------------------------------
     def unwrap(self) -> nn.Module:
@@ -255,8 +241,6 @@ class BayesianModel(nn.Module):
         Its ``state_dict`` equals the original's bit for bit (unless base weights
         were fine-tuned); ``requires_grad`` flags are restored.
         """
-        from bayesify.core.walker import replace_modules
-
         model = copy.deepcopy(self.model)
         replace_modules(model, {name: module.base_layer for name, module in model.named_modules()
                                 if isinstance(module, BayesianLayer)})
@@ -266,7 +250,7 @@ class BayesianModel(nn.Module):
 
     def summary(self) -> str:
         """A table of injected layers, their random variables and posterior sizes."""
-        from bayesify.summary import summarize
+        from bayesify.core.summary import summarize
 
         return summarize(self)
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from bayesify.core.layers import BayesianLayer
-from bayesify.core.method import Method
+from bayesify.core.method import Method, wrapper_for
 from bayesify.errors import BayesifyError
 
 #: parents that read a child's weights directly instead of calling it: a wrapper
@@ -123,7 +123,7 @@ def plan_targets(model: nn.Module, method: Method) -> TargetPlan:
             for child_name, _ in module.named_modules():
                 if child_name:
                     skip_children.add(f"{name}.{child_name}" if name else child_name)
-        if not name or not method.supports(module):
+        if not name or wrapper_for(method, module) is None:
             continue
         if name in skip_children:
             plan.skipped[name] = "parent reads its weights directly"
@@ -220,7 +220,7 @@ def _check_explicit(patterns: Iterable[str], modules: dict[str, nn.Module], meth
     """An explicitly named module of an unsupported type is an error, not a no-op."""
     for pattern in patterns:
         module = modules.get(pattern)
-        if module is not None and pattern and not method.supports(module):
+        if module is not None and pattern and wrapper_for(method, module) is None:
             supported = ", ".join(t.__name__ for t in method.wrappers)
             raise BayesifyError(
                 f"module {pattern!r} is a {type(module).__name__}, which method "

@@ -33,7 +33,7 @@ def differentiable_member_logits(predictor: BasePredictor, x: torch.Tensor) -> t
     is tried under ``enable_grad`` and rejected if it returns no graph.
     Logits are divided by the predictor's temperature.
     """
-    from bayesify.core.method import logits_of
+    from bayesify.core.outputs import logits_of
 
     hook = getattr(predictor, "differentiable_member_logits", None)
     with torch.enable_grad():

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from bayesify import metrics
+from bayesify import plots
 from bayesify.core.batch import split_batch
 from bayesify.errors import BayesifyError
 from bayesify.evaluation.adversarial import fgsm_sweep
@@ -136,9 +136,9 @@ def report(
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(table, indent=1))
-        metrics.save_reliability_diagram(curves, out / "reliability.png", n_bins)
+        plots.save_reliability_diagram(curves, out / "reliability.png", n_bins)
         if histograms:
-            metrics.save_entropy_histogram(histograms, out / "uncertainty_hist.png", num_classes)
+            plots.save_uncertainty_histograms(histograms, out / "uncertainty_hist.png", num_classes)
         for kind in sweeps:
             save_uncertainty_sweep(table, kind, out / f"uncertainty_{kind}.png")
         if fgsm_epsilons:

@@ -47,8 +47,9 @@ import transformers
 
 from bayesify.core.model import BayesianModel
 from bayesify.errors import BayesifyError
+from bayesify.train.custom_loop import posterior_optimizer
 from bayesify.train.loss import elbo_loss
-from bayesify.tuning_api import posterior_optimizer, tune
+from bayesify.train.tuning import tune
 
 
 class BayesTrainer(transformers.Trainer):

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bayesify import metrics
+from bayesify import metrics, plots
 from bayesify.core.checks import check_finite_logits, check_labels
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
@@ -162,11 +162,11 @@ def choose_temperature(prediction: Prediction, labels: torch.Tensor, *, previous
                        optimum: float, rule: str = "one_se") -> tuple[float, dict[str, Any]]:
     """The temperature to use: the NLL optimum (``rule='min'``), or — the default — the
     softest T whose validation NLL is within one paired standard error of the optimum
-    and not above the NLL at ``previous`` (:func:`bayesify.core.tuning.choose`). On a
+    and not above the NLL at ``previous`` (:func:`bayesify.core.selection.choose`). On a
     small or perfectly classified split the optimum runs towards T → 0 (hard votes),
     which is catastrophic under shift; the rule keeps the softest T the split cannot
     tell apart from it."""
-    from bayesify.core.tuning import choose
+    from bayesify.core.selection import choose
 
     if rule == "min":
         return optimum, {}
@@ -248,7 +248,7 @@ def calibrate(
     _warn_at_bound(temperature, rows)
     plot_path = None
     if plot is not None:
-        plot_path = str(metrics.save_reliability_diagram(
+        plot_path = str(plots.save_reliability_diagram(
             {f"before (T={previous:.3g})": (conf_before, correct_before),
              f"after (T={temperature:.3g})": (conf_after, correct_after)}, plot))
     return CalibrationResult(

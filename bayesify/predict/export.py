@@ -29,13 +29,13 @@ import torch
 from torch import nn
 
 from bayesify.core.batch import Batch
-from bayesify.core.frozen_noise import (  # noqa: F401 - re-exported
+from bayesify.errors import BayesifyError
+from bayesify.kit.frozen_noise import (  # noqa: F401 - re-exported
     FrozenNoiseContext,
     FrozenNoiseMembers,
     frozen_noise_members,
 )
-from bayesify.core.stacked import StackedModels
-from bayesify.errors import BayesifyError
+from bayesify.kit.stacked import StackedModels  # noqa: F401 - re-exported
 from bayesify.predict.export_inputs import (
     InputLayout,
     dynamic_shapes,
@@ -136,25 +136,8 @@ def build_exported_predictor(predictor: BasePredictor, example_input: Any) -> nn
     :func:`~bayesify.predict.export_inputs.example_batch`); the module is called
     with the same inputs: ``module(x)``, ``module(*inputs)`` or ``module(**inputs)``.
     """
-    from bayesify.predict.predictor import EnsemblePredictor, ModelPredictor
-
     example = example_batch(example_input).to(predictor.device)
-    if isinstance(predictor, EnsemblePredictor):
-        bnn = predictor.bnn
-        was_training = bnn.training
-        bnn.eval()
-        try:
-            members = bnn.method.export_module(
-                bnn, samples_per_component=predictor.samples_per_component,
-                seed=predictor.seed, example_input=example,
-            )
-        finally:
-            bnn.train(was_training)
-    elif isinstance(predictor, ModelPredictor):
-        members = StackedModels(predictor.models)
-    else:
-        raise BayesifyError(f"cannot export a {type(predictor).__name__}; use an "
-                            "EnsemblePredictor (bnn.predictor()) or a ModelPredictor")
+    members = predictor.export_members(example)
     with torch.no_grad():
         out = example.call(members)
     link = getattr(members, "gaussian_link", None)

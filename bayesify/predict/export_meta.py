@@ -75,7 +75,7 @@ def export_metadata(predictor: BasePredictor, *, fmt: str, members: int, num_cla
                     inputs: list[str], dynamic_axes: dict[str, list[int]],
                     class_names: Any = None, preprocessing: Any = "auto") -> dict[str, Any]:
     """The metadata record of one export (see the module docstring)."""
-    from bayesify import __version__
+    from bayesify.version import __version__
 
     names = default_class_names(predictor) if class_names is None else [str(c) for c in class_names]
     if names is not None and len(names) != num_classes:

@@ -14,9 +14,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify import metrics
-from bayesify.core.batch import as_inputs, iter_batches
+from bayesify.core.batch import as_inputs, call_model, iter_batches, limited_batches
+from bayesify.core.extensions import provide
+from bayesify.core.fitting import BatchSource
+from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
+from bayesify.kit.stacked import StackedModels
 from bayesify.predict.serving import (
     check_inputs,
     check_nonfinite_policy,
@@ -24,6 +28,7 @@ from bayesify.predict.serving import (
     check_temperature,
     model_lock,
 )
+from bayesify.predict.stats import per_example_stats, summarize
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -94,6 +99,12 @@ class BasePredictor:
 
         return export_predictor(self, path, example_input, format=format, **kwargs)
 
+    def export_members(self, example: Any) -> torch.nn.Module:
+        """The plain ``inputs → [M, B, C]`` member logits module that ``export`` wraps
+        (``example``: an inputs-only ``Batch`` on this predictor's device)."""
+        raise BayesifyError(f"cannot export a {type(self).__name__}; use an "
+                            "EnsemblePredictor (bnn.predictor()) or a ModelPredictor")
+
     def collect(self, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Member logits ``[M, N, C]`` (CPU, uncalibrated) and labels ``[N]`` over a loader."""
         prediction, labels = self.collect_predictions(loader)
@@ -116,8 +127,6 @@ class BasePredictor:
 
         Streams over the loader keeping only per-example statistics.
         """
-        from bayesify.train.evaluate import per_example_stats, summarize
-
         stats = per_example_stats(self, loader, device=self.device, batch_fn=self.batch_fn)
         out = summarize(stats, n_bins=n_bins)
         if ood_loader is not None:
@@ -156,8 +165,6 @@ class ModelPredictor(BasePredictor):
 
     @torch.no_grad()
     def member_logits(self, x: Any) -> torch.Tensor:
-        from bayesify.core.method import call_model, logits_of
-
         if isinstance(x, torch.Tensor):
             x = x.to(self.device)
         outs = []
@@ -172,6 +179,9 @@ class ModelPredictor(BasePredictor):
             outs.append(logits_of(self.output_fn(out) if self.output_fn else out).float())
         return torch.stack(outs)
 
+    def export_members(self, example: Any) -> torch.nn.Module:
+        return StackedModels(self.models)
+
 
 class EnsemblePredictor(BasePredictor):
     """Calls a :class:`BayesianModel` as an ensemble of M fixed members.
@@ -180,6 +190,9 @@ class EnsemblePredictor(BasePredictor):
     ``max_rows``: rows per forward pass; members are chunked to stay under it.
     ``seed``: fixes the members' noise, so repeated calls see the same M networks.
     ``temperature``: logits are divided by it (see ``calibrate``).
+    ``bn_loader``: training inputs from which families that recompute BatchNorm
+    statistics per sampled network (SWAG) draw them for members ``fit`` did not store
+    (another ``seed`` or more members); kept in ``bnn.runtime``, never saved.
     """
 
     def __init__(
@@ -192,6 +205,7 @@ class EnsemblePredictor(BasePredictor):
         temperature: float | None = None,
         batch_fn: Any = None,
         nonfinite: str = "error",
+        bn_loader: Iterable | None = None,
     ) -> None:
         if samples_per_component is not None and (
                 isinstance(samples_per_component, bool)
@@ -202,8 +216,11 @@ class EnsemblePredictor(BasePredictor):
             )
         self.nonfinite = check_nonfinite_policy(nonfinite)
         self.bnn = bnn
+        if bn_loader is not None:  # inputs for the BatchNorm statistics of sampled networks
+            bnn.runtime["bn_source"] = BatchSource(batches=lambda fraction: limited_batches(
+                bn_loader, fraction=fraction, device=bnn.device, batch_fn=batch_fn))
         self.samples_per_component = (
-            samples_per_component or bnn.method.default_samples_per_component()
+            samples_per_component or bnn.posterior_config.default_samples()
         )
         self.max_rows = int(max_rows)
         self.seed = seed
@@ -250,8 +267,23 @@ class EnsemblePredictor(BasePredictor):
             finally:
                 self.bnn.train(was_training)
 
+    def export_members(self, example: Any) -> torch.nn.Module:
+        """The family's frozen members (``Method.export_module``) in eval mode."""
+        bnn = self.bnn
+        was_training = bnn.training
+        bnn.eval()
+        try:
+            return bnn.method.export_module(
+                bnn, samples_per_component=self.samples_per_component,
+                seed=self.seed, example_input=example,
+            )
+        finally:
+            bnn.train(was_training)
+
     def __repr__(self) -> str:
         return (f"EnsemblePredictor(method={self.bnn.method_name}, members="
                 f"{self.bnn.method.components}×{self.samples_per_component}, "
                 f"temperature={self.temperature:.4g})")
 
+
+provide("predictor", EnsemblePredictor)  # bnn.predictor(...)

@@ -70,14 +70,14 @@ def _steps(transform: Any) -> list[dict[str, Any]]:
 def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """``input_size`` / ``mean`` / ``std`` / ``interpolation`` / ``resize`` read off the steps."""
     out: dict[str, Any] = {}
-    for step in steps:
-        if step["op"] == "resize":
-            out["resize"], out["interpolation"] = step["size"], step.get("interpolation")
-        elif step["op"] == "center_crop":
-            size = step["size"]
+    for entry in steps:
+        if entry["op"] == "resize":
+            out["resize"], out["interpolation"] = entry["size"], entry.get("interpolation")
+        elif entry["op"] == "center_crop":
+            size = entry["size"]
             out["crop"] = [size, size] if isinstance(size, int) else list(size)
-        elif step["op"] == "normalize":
-            out["mean"], out["std"] = step["mean"], step["std"]
+        elif entry["op"] == "normalize":
+            out["mean"], out["std"] = entry["mean"], entry["std"]
     if "crop" in out:
         out["input_size"] = [len(out.get("mean", [0, 0, 0])), *out["crop"]]
     return out
@@ -94,9 +94,9 @@ def check_description(description: Any) -> dict[str, Any]:
     if not isinstance(description, dict) or not isinstance(description.get("steps"), list):
         raise BayesifyError("preprocessing must be a transform, None, 'auto' or a dict with a "
                             "'steps' list (see bayesify.predict.preprocessing)")
-    for step in description["steps"]:
-        if not isinstance(step, dict) or step.get("op") not in OPS:
-            raise BayesifyError(f"unknown preprocessing step {step!r}; ops: {OPS}")
+    for entry in description["steps"]:
+        if not isinstance(entry, dict) or entry.get("op") not in OPS:
+            raise BayesifyError(f"unknown preprocessing entry {entry!r}; ops: {OPS}")
     return {"source": "user", **summarize(description["steps"]), **description}
 
 
@@ -135,13 +135,13 @@ def _one(image: Any, steps: list[dict[str, Any]]) -> torch.Tensor:
     x = image
     if not isinstance(x, torch.Tensor) and getattr(x, "mode", "RGB") not in ("RGB", "L"):
         x = x.convert("RGB")
-    for step in steps:
-        op = step["op"]
+    for entry in steps:
+        op = entry["op"]
         if op == "resize":
-            x = F.resize(x, step["size"], antialias=True,
-                         interpolation=InterpolationMode(step.get("interpolation", "bilinear")))
+            x = F.resize(x, entry["size"], antialias=True,
+                         interpolation=InterpolationMode(entry.get("interpolation", "bilinear")))
         elif op == "center_crop":
-            x = F.center_crop(x, step["size"])
+            x = F.center_crop(x, entry["size"])
         elif op == "to_tensor":
             if not isinstance(x, torch.Tensor):
                 x = F.to_tensor(x)
@@ -149,9 +149,9 @@ def _one(image: Any, steps: list[dict[str, Any]]) -> torch.Tensor:
                 x = x.float() / 255.0
         elif op == "normalize":
             x = F.normalize(x if isinstance(x, torch.Tensor) else F.to_tensor(x),
-                            step["mean"], step["std"])
+                            entry["mean"], entry["std"])
         else:
-            raise BayesifyError(f"this export's preprocessing cannot be replayed: {step['text']}; "
+            raise BayesifyError(f"this export's preprocessing cannot be replayed: {entry['text']}; "
                                 "prepare the input tensor yourself")
     if not isinstance(x, torch.Tensor):
         x = F.to_tensor(x)

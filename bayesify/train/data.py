@@ -32,6 +32,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from bayesify.core.batch import Batch, BatchFn, iter_batches, limited_batches
 from bayesify.train.distributed import DistContext
 
 
@@ -146,16 +147,22 @@ class TrainData:
     loader is rebuilt around a :class:`GlobalBatchSampler` (same dataset,
     per-rank ``batch_size``, workers, ``collate_fn``) and the workers' base seed is
     a function of ``(seed, epoch, rank)``; otherwise the loader is used as given.
+    ``exact``: a statistics pass instead — this rank's contiguous, unpadded shard
+    (:func:`shard_loader`, every example exactly once over the ranks), in order.
     """
 
-    def __init__(self, loader: Iterable, *, ctx: DistContext, seed: int, seeded: bool) -> None:
+    def __init__(self, loader: Iterable, *, ctx: DistContext, seed: int, seeded: bool,
+                 exact: bool = False) -> None:
         self.original = loader
         self.ctx = ctx
         self.seed = int(seed)
         self.sampler: GlobalBatchSampler | None = None
         self.loader: Iterable = loader
+        self.exact = exact
         self._skip = 0
-        if seeded and rebuildable(loader):
+        if exact:
+            self.loader = shard_loader(loader, ctx)
+        elif seeded and rebuildable(loader):
             assert isinstance(loader, DataLoader)
             self.sampler = GlobalBatchSampler(
                 loader.dataset, batch_size=loader.batch_size, num_replicas=ctx.world_size,
@@ -218,7 +225,7 @@ class TrainData:
             self._skip = 0
         else:
             sampler = getattr(self.original, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
+            if hasattr(sampler, "set_epoch") and not self.exact:
                 sampler.set_epoch(epoch)
             self._skip = start_batch
 
@@ -227,3 +234,34 @@ class TrainData:
         for _ in range(self._skip):  # no seeded sampler: skip by reading
             next(it, None)
         return it
+
+
+def shard_loader(loader: Iterable, ctx: DistContext) -> Iterable:
+    """This rank's shard of an evaluation ``DataLoader`` (the loader itself otherwise)."""
+    if not ctx.distributed or not isinstance(loader, DataLoader) or loader.batch_size is None:
+        return loader
+    try:
+        n = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return loader
+    sampler = ShardSampler(n, rank=ctx.rank, world_size=ctx.world_size)
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
+                      **_loader_kwargs(loader))
+
+
+# -- the one place in bayesify.train that iterates data ----------------------------------
+def epoch_batches(data: TrainData, *, device: torch.device, batch_fn: BatchFn | None,
+                  channels_last: bool = False) -> Iterator[Batch]:
+    """The current epoch's batches of this rank (``data.set_epoch`` first), on ``device``."""
+    return iter_batches(data, device=device, batch_fn=batch_fn, channels_last=channels_last)
+
+
+def shard_batches(loader: Iterable, ctx: DistContext, *, device: torch.device,
+                  batch_fn: BatchFn | None, fraction: float | None = None) -> Iterator[Batch]:
+    """This rank's contiguous, unpadded shard of ``loader`` (every example once over the
+    ranks), one batch at a time on ``device``; with ``fraction`` only the inputs of the
+    first ``ceil(fraction · batches)`` batches."""
+    shard = shard_loader(loader, ctx)
+    if fraction is None:
+        return iter_batches(shard, device=device, batch_fn=batch_fn)
+    return limited_batches(shard, fraction=fraction, device=device, batch_fn=batch_fn)

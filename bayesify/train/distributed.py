@@ -114,6 +114,15 @@ def setup_distributed(device: str | torch.device | None, fallback: torch.device,
                        timeout_s=timeout_s)
 
 
+def current_context(device: torch.device) -> DistContext:
+    """Where this process sits in a process group the caller already initialised (rank 0
+    of 1 without one); never creates a group."""
+    if dist.is_available() and dist.is_initialized():
+        return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                           local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=device)
+    return DistContext(device=device)
+
+
 _TIMEOUT_TEXT = re.compile(r"timed? ?out|timeout|connection (closed|reset)|broken pipe|"
                            r"peer|failed to pass monitoredbarrier", re.IGNORECASE)
 

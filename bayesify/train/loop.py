@@ -1,29 +1,32 @@
-"""``bayesify.fit``: the one training loop of every family.
+"""``bayesify.fit``: the one epoch driver of every family.
 
-The family's ``Method.training`` picks the step (:mod:`bayesify.train.steps`,
-:mod:`bayesify.train.curvature`): ``"elbo"`` — mean NLL over the tiled batch +
-β(t)·KL/N_train; ``"snapshot"`` — the same SGD step without KL, the family
-collecting iterates after each step (SWAG, snapshot ensembles); ``"curvature"`` —
-one gradient-free pass (Laplace). Sharding, DDP, AMP, accumulation, logging,
-callbacks, checkpoints and resume are the loop's, for every family; an option a
-family cannot honour is an error naming the family and the option. The loop
-keeps its state in a :class:`TrainState` (no globals).
+A family is a config, layers and a step: ``bnn.method.step()`` returns the
+:class:`~bayesify.core.fitting.Step` this driver runs — ``begin(ctx)`` once,
+``step(batch, ctx)`` for every batch, ``end(ctx)`` after the last — with a fit context
+(:class:`~bayesify.train.context.TrainContext`) that provides sharded iteration,
+reductions that name dead ranks, AMP, logging, the gradient-step service and the knob
+search. ELBO, SGD-snapshot (SWAG, snapshot ensembles) and curvature (Laplace) are three
+such steps; progress bar, history, checkpoints, resume and callbacks are the driver's,
+for every family. An option a step cannot honour is an error naming the family and
+the option.
 
-Data parallel (DESIGN.md §5): launched by ``torchrun`` the loop initialises the
+Data parallel (DESIGN.md §5): launched by ``torchrun`` the driver initialises the
 process group (nccl on CUDA, gloo on CPU), shards every global batch over the
 ranks (:mod:`bayesify.train.data`), calls the model through
 ``DistributedDataParallel`` (frozen base weights have ``requires_grad=False`` and
 are ignored by DDP, so only trainable tensors are all-reduced), gives every rank
 its own noise stream, averages logged terms over ranks and logs/checkpoints on
-rank 0. Checkpoints (:mod:`bayesify.train.resume`) make a killed run resumable
-to the same final posterior.
+rank 0. A step that takes no optimiser steps (``Step.optimizes`` false) makes one pass
+in eval mode over this rank's contiguous shard (every example once over the ranks).
+Checkpoints (:mod:`bayesify.train.resume`) make a killed run resumable to the same
+final posterior.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +36,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from bayesify.core.batch import BatchFn, iter_batches
+from bayesify.core.batch import BatchFn, call_model
 from bayesify.core.checks import check_finite_batch, check_labels
+from bayesify.core.outputs import check_not_probabilities, logits_of
 from bayesify.errors import BayesifyError, NonFiniteLossError
+from bayesify.train import evaluate as evaluation
+from bayesify.train import resume as ckpt
+from bayesify.train.context import TrainContext, TrainState
 from bayesify.train.data import TrainData
 from bayesify.train.distributed import (
     DistContext,
@@ -45,12 +52,16 @@ from bayesify.train.distributed import (
     rank_seed,
     setup_distributed,
 )
+from bayesify.train.guard import buffers_restored_on_error
+from bayesify.train.hooks import Callback, HistoryLog, as_callback, starting_metrics, warn_if_worse
 from bayesify.train.options import validate_fit_options
 from bayesify.train.schedules import parse_schedule
-from bayesify.train.steps import TrainForward, TrainState, build_optimizer, flush_group, train_step
+from bayesify.train.steps import TrainForward, build_optimizer, flush_group, train_step
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
+
+__all__ = ["FitResult", "TrainContext", "TrainState", "build_optimizer", "fit", "train_step"]
 
 
 @dataclass
@@ -72,7 +83,7 @@ class FitResult:
 
 
 #: fit options and their defaults (None: the family's default, else the fallback)
-_FALLBACKS = {"momentum": 0.9, "weight_decay": 0.0, "lr_schedule": "constant", "optimizer": "sgd"}
+FIT_FALLBACKS = {"momentum": 0.9, "weight_decay": 0.0, "lr_schedule": "constant", "optimizer": "sgd"}
 
 
 def fit(
@@ -113,9 +124,10 @@ def fit(
     timeout_s: float | None = None,
     **unknown: Any,
 ) -> FitResult:
-    """Fit the posterior of ``bnn`` on ``train_loader`` (one loop for every family).
+    """Fit the posterior of ``bnn`` on ``train_loader`` (one epoch driver for every family).
 
-    ELBO families: loss per step = mean NLL over the tiled batch + β(t)·KL/N_train,
+    The family's step (``bnn.method.step()``) runs every batch. ELBO families: loss
+    per step = mean NLL over the tiled batch + β(t)·KL/N_train,
     β(t) linear 0 → ``beta`` over ``kl_anneal_epochs`` (fixed when 0); SGD
     Nesterov at ``lr`` (default: the family's), no weight decay on the posterior;
     base weights stay frozen unless ``base_lr > 0``. Snapshot families (SWAG,
@@ -123,7 +135,8 @@ def fit(
     collect the iterates; Laplace makes one curvature pass. ``lr_schedule`` /
     ``base_lr_schedule``: see :func:`bayesify.train.schedules.lr_factor`.
     ``val_loader``: validation metrics every ``val_every`` epochs and, for families
-    with a predictive-scale knob, the validation-tuned choice of it at the end.
+    with a predictive-scale knob, the validation-tuned choice of it at the end (the
+    knob search, :mod:`bayesify.train.tuning`; ``bayesify.tune`` runs it on its own).
     ``batch_fn``: how to split a batch the loader yields (see
     :mod:`bayesify.core.batch`).
 
@@ -143,12 +156,11 @@ def fit(
     answer (default 10 minutes).
     """
     validate_fit_options(**locals())  # every option checked before anything changes
-    from bayesify.train import resume as ckpt
-
     method = bnn.method
     if unknown:
         raise BayesifyError(f"unknown fit option(s) {sorted(unknown)} for method "
                             f"{method.name!r}; see help(bayesify.fit)")
+    step = method.step()
     given = {"lr": lr, "base_lr": base_lr or None, "kl_anneal_epochs": kl_anneal_epochs or None,
              "beta": None if beta == 1.0 else beta, "optimizer": optimizer,
              "momentum": momentum, "weight_decay": weight_decay, "lr_schedule": lr_schedule,
@@ -156,14 +168,13 @@ def fit(
              "clip_grad_norm": clip_grad_norm, "epochs": None if epochs == 1 else epochs,
              "compile": compile or None, "channels_last": channels_last or None,
              "checkpoint_every_steps": checkpoint_every_steps or None, "amp": amp}
-    refused = [k for k in method.unsupported_fit_options if given.get(k) is not None]
+    refused = [k for k in step.refused if given.get(k) is not None]
     if refused:
         raise BayesifyError(
-            f"method {method.name!r} cannot honour fit option(s) {refused}: "
-            f"{method.unsupported_reason()}"
+            f"method {method.name!r} cannot honour fit option(s) {refused}: {step.refusal}"
         )
-    defaults = {**_FALLBACKS, **method.fit_defaults()}
-    lr = lr if lr is not None else defaults.get("lr", method.default_lr())
+    defaults = {**FIT_FALLBACKS, **step.defaults}
+    lr = lr if lr is not None else defaults.get("lr", 0.1)
     momentum = defaults["momentum"] if momentum is None else momentum
     weight_decay = defaults["weight_decay"] if weight_decay is None else weight_decay
     lr_schedule = defaults["lr_schedule"] if lr_schedule is None else lr_schedule
@@ -174,82 +185,57 @@ def fit(
     with naming_unresponsive_ranks(ctx):  # a silent rank is named, not a bare timeout
         if device is not None or ctx.device != bnn.device:
             bnn.to(ctx.device)
-        if method.training == "curvature":
-            from bayesify.train.curvature import fit_curvature
-
-            return fit_curvature(bnn, train_loader, ctx=ctx, val_loader=val_loader, batch_fn=batch_fn,
-                                 progress=progress, log_dir=log_dir, checkpoint_dir=checkpoint_dir,
-                                 resume=resume, callbacks=[_as_callback(c) for c in callbacks],
-                                 amp=amp, result=FitResult())
-        n_train = n_train or _dataset_size(train_loader)
-        lr_schedule, base_lr_schedule = parse_schedule(lr_schedule), parse_schedule(base_lr_schedule)
-        opt = build_optimizer(bnn, lr=lr, base_lr=base_lr, optimizer=optimizer, momentum=momentum,
-                              weight_decay=weight_decay, base_weight_decay=base_weight_decay)
-        schedules = [base_lr_schedule if g.get("name") == "base" else lr_schedule
-                     for g in opt.param_groups]
         checkpointing = checkpoint_dir is not None or resume is not None
         payload = ckpt.read_for_resume(resume, ctx) if resume is not None else None
-        if seed is None and payload is not None:
-            seed = int(payload["meta"]["options"]["seed"])
-        seeded = seed is not None or checkpointing or ctx.distributed
-        if seed is None:
-            seed = broadcast_object(int(torch.randint(0, 2**31 - 1, ()).item()), ctx)
-        if ctx.distributed:  # families drawing from the global RNG get per-rank streams too
-            torch.manual_seed(rank_seed(seed, ctx.rank) % (2**31))
-        data = TrainData(train_loader, ctx=ctx, seed=seed, seeded=seeded)
-        noise = torch.Generator(device=ctx.device)
-        noise.manual_seed(rank_seed(seed, ctx.rank))
-        if channels_last:
-            bnn.model.to(memory_format=torch.channels_last)
-        state = TrainState(
-            bnn=bnn, optimizer=opt, base_lrs=[g["lr"] for g in opt.param_groups],
-            schedules=schedules, epochs=epochs, steps_per_epoch=data.batches_per_epoch,
-            n_train=n_train, kl_anneal_epochs=kl_anneal_epochs, beta_max=beta, ctx=ctx,
-            amp=(ctx.device.type == "cuda") if amp is None else bool(amp),
+        state = TrainContext(
+            bnn=bnn, optimizer=None, base_lrs=[], schedules=[], epochs=epochs,
+            steps_per_epoch=0, n_train=0, kl_anneal_epochs=kl_anneal_epochs, beta_max=beta,
+            ctx=ctx, amp=(ctx.device.type == "cuda") if amp is None else bool(amp),
             channels_last=channels_last, grad_accum_steps=grad_accum_steps,
-            clip_grad_norm=clip_grad_norm, noise_generator=noise,
+            clip_grad_norm=clip_grad_norm, family=step, train_loader=train_loader,
+            val_loader=val_loader, batch_fn=batch_fn,
         )
-        options = {
-            "lr": lr, "base_lr": base_lr, "kl_anneal_epochs": kl_anneal_epochs, "beta": beta,
-            "lr_schedule": lr_schedule, "base_lr_schedule": base_lr_schedule,
-            "optimizer": optimizer, "momentum": momentum, "weight_decay": weight_decay,
-            "base_weight_decay": base_weight_decay, "n_train": n_train, "seed": seed,
-            "global_batch_size": data.global_batch_size, "grad_accum_steps": grad_accum_steps,
-            "clip_grad_norm": clip_grad_norm,
-        }
-        options = json.loads(json.dumps(options))
+        if step.optimizes:
+            options = _optimisation(state, train_loader, payload, lr=lr, base_lr=base_lr,
+                                    lr_schedule=lr_schedule, base_lr_schedule=base_lr_schedule,
+                                    optimizer=optimizer, momentum=momentum,
+                                    weight_decay=weight_decay,
+                                    base_weight_decay=base_weight_decay, n_train=n_train,
+                                    seed=seed, checkpointing=checkpointing)
+        else:  # a statistics pass: one epoch, eval mode, every example once over the ranks
+            state.epochs, state.amp = 1, False
+            state.data = TrainData(train_loader, ctx=ctx, seed=0, seeded=False, exact=True)
+            state.steps_per_epoch = state.data.batches_per_epoch
+            options = {"training": "curvature"}
         run = ckpt.Run(directory=Path(checkpoint_dir) if checkpoint_dir is not None else None,
                        keep=keep_checkpoints, every=checkpoint_every_steps, options=options,
                        identity=ckpt.identity(bnn) if checkpointing else {})
         if payload is not None:
             ckpt.restore(state, payload, run, path=payload["path"])
         else:
-            method.begin_fit(bnn, steps_per_epoch=state.steps_per_epoch, epochs=epochs)
-        start = (_starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=state.amp)
+            for knob in method.knobs(bnn):
+                if knob.initial is not None:
+                    knob.set(knob.initial)
+            step.begin(state)
+        start = (starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=state.amp)
                  if val_loader is not None and payload is None else None)
-        state.forward = TrainForward(bnn, noise)
-        if ctx.distributed:
-            state.ddp = _wrap_ddp(state.forward, ctx, sync_buffers=bnn.bn_train,
-                                  find_unused_parameters=find_unused_parameters)
-            state.forward = state.ddp
-        if compile:
-            state.forward = torch.compile(state.forward, **(compile if isinstance(compile, dict) else {}))
+        if step.optimizes:
+            _forward(state, compile=compile, find_unused_parameters=find_unused_parameters)
         result = FitResult(history=state.history)
-        log = _Log(log_dir, ctx)
-        hooks = [_as_callback(c) for c in callbacks]
-        while state.epoch < epochs:
-            record = _train_epoch(state, data, progress=progress and ctx.is_main, run=run, hooks=hooks,
-                                  batch_fn=batch_fn)
-            is_last = state.epoch + 1 == epochs
-            if is_last:
-                from bayesify.train.evaluate import shard_loader
-
-                record.update(method.finish_fit(bnn, train_loader=shard_loader(train_loader, ctx),
-                                                val_loader=val_loader, ctx=ctx, batch_fn=batch_fn))
+        log = HistoryLog(log_dir, ctx)
+        hooks = [as_callback(c) for c in callbacks]
+        while state.epoch < state.epochs:
+            # a statistics pass (no optimiser) that fails half-way leaves no half-accumulated
+            # state behind: its buffers are put back (gradient steps have the step guard)
+            with contextlib.nullcontext() if step.optimizes else buffers_restored_on_error(bnn):
+                record = _run_epoch(state, progress=progress and ctx.is_main, run=run, hooks=hooks)
+                is_last = state.epoch + 1 == state.epochs
+                if is_last:
+                    record.update(step.end(state))
+                if val_loader is not None:
+                    record.update(state.tune(method.knobs(bnn)))
             if val_loader is not None and ((state.epoch + 1) % max(val_every, 1) == 0 or is_last):
-                from bayesify.train.evaluate import evaluate_sharded
-
-                metrics = evaluate_sharded(bnn, val_loader, ctx,
+                metrics = evaluation.evaluate_sharded(bnn, val_loader, ctx,
                                            samples_per_component=val_samples_per_component,
                                            amp=state.amp, channels_last=channels_last,
                                            batch_fn=batch_fn)
@@ -264,52 +250,61 @@ def fit(
         bnn.eval()
         if start is not None and state.history:
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
-            _warn_if_worse(method.name, start, state.history[-1])
+            warn_if_worse(method.name, start, state.history[-1])
         return result
 
 
-def _starting_metrics(bnn: BayesianModel, val_loader: Iterable, ctx: DistContext, *,
-                      batch_fn: BatchFn | None, amp: bool) -> dict[str, float]:
-    """Validation accuracy and NLL of the network the fit starts from (the base)."""
-    from bayesify.predict.predictor import ModelPredictor
-    from bayesify.train.evaluate import evaluate_sharded
+def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str, Any] | None, *,
+                  lr: float, base_lr: float, lr_schedule: Any, base_lr_schedule: Any,
+                  optimizer: str, momentum: float, weight_decay: float,
+                  base_weight_decay: float, n_train: int | None, seed: int | None,
+                  checkpointing: bool) -> dict[str, Any]:
+    """Optimiser, schedules, seeded sharded data and noise stream of a gradient step;
+    returns the fit options a checkpoint must match."""
+    bnn, ctx = state.bnn, state.ctx
+    n_train = n_train or _dataset_size(train_loader)
+    lr_schedule, base_lr_schedule = parse_schedule(lr_schedule), parse_schedule(base_lr_schedule)
+    opt = build_optimizer(bnn, lr=lr, base_lr=base_lr, optimizer=optimizer, momentum=momentum,
+                          weight_decay=weight_decay, base_weight_decay=base_weight_decay,
+                          step=state.family)
+    state.optimizer, state.n_train = opt, n_train
+    state.base_lrs = [g["lr"] for g in opt.param_groups]
+    state.schedules = [base_lr_schedule if g.get("name") == "base" else lr_schedule
+                       for g in opt.param_groups]
+    if seed is None and payload is not None:
+        seed = int(payload["meta"]["options"]["seed"])
+    seeded = seed is not None or checkpointing or ctx.distributed
+    if seed is None:
+        seed = broadcast_object(int(torch.randint(0, 2**31 - 1, ()).item()), ctx)
+    if ctx.distributed:  # families drawing from the global RNG get per-rank streams too
+        torch.manual_seed(rank_seed(seed, ctx.rank) % (2**31))
+    state.data = TrainData(train_loader, ctx=ctx, seed=seed, seeded=seeded)
+    state.steps_per_epoch = state.data.batches_per_epoch
+    state.noise_generator = torch.Generator(device=ctx.device)
+    state.noise_generator.manual_seed(rank_seed(seed, ctx.rank))
+    if state.channels_last:
+        bnn.model.to(memory_format=torch.channels_last)
+    options = {
+        "lr": lr, "base_lr": base_lr, "kl_anneal_epochs": state.kl_anneal_epochs,
+        "beta": state.beta_max, "lr_schedule": lr_schedule, "base_lr_schedule": base_lr_schedule,
+        "optimizer": optimizer, "momentum": momentum, "weight_decay": weight_decay,
+        "base_weight_decay": base_weight_decay, "n_train": n_train, "seed": seed,
+        "global_batch_size": state.data.global_batch_size,
+        "grad_accum_steps": state.grad_accum_steps, "clip_grad_norm": state.clip_grad_norm,
+    }
+    return json.loads(json.dumps(options))
 
-    base = ModelPredictor(bnn.unwrap().eval())
-    base.batch_fn = batch_fn
-    metrics = evaluate_sharded(base, val_loader, ctx, amp=amp, batch_fn=batch_fn)
-    return {k: metrics[k] for k in ("accuracy", "nll") if k in metrics}
 
-
-def _warn_if_worse(family: str, start: dict[str, float], last: dict[str, Any]) -> None:
-    """A fit that ends clearly worse than its starting network says so (and what to try)."""
-    acc, nll = last.get("val_accuracy"), last.get("val_nll")
-    if acc is None or nll is None or "accuracy" not in start:
-        return
-    worse = []
-    if acc < start["accuracy"] - 0.01:
-        worse.append(f"accuracy {acc:.4f} < {start['accuracy']:.4f}")
-    if nll > start["nll"] * 1.1 + 1e-3:
-        worse.append(f"NLL {nll:.4f} > {start['nll']:.4f}")
-    if worse:
-        warnings.warn(
-            f"fit of {family!r} ended with validation {' and '.join(worse)} of the starting "
-            "network; try a lower lr, fewer epochs, or a smaller initial posterior spread "
-            "(see `bayesify methods " + family + "`)", stacklevel=3,
-        )
-
-
-class _Log:
-    """``history.jsonl`` in ``log_dir`` (rank 0 only): one JSON record per epoch."""
-
-    def __init__(self, log_dir: str | Path | None, ctx: DistContext) -> None:
-        self.path = Path(log_dir) / "history.jsonl" if log_dir is not None and ctx.is_main else None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.path is not None:
-            with self.path.open("a") as fh:
-                fh.write(json.dumps(record, default=float) + "\n")
+def _forward(state: TrainContext, *, compile: bool | dict[str, Any],
+             find_unused_parameters: bool) -> None:
+    """The module the gradient step calls: the step's terms, through DDP and compile."""
+    state.forward = TrainForward(state.bnn, state.noise_generator, state.family)
+    if state.ctx.distributed:
+        state.ddp = _wrap_ddp(state.forward, state.ctx, sync_buffers=state.bnn.bn_train,
+                              find_unused_parameters=find_unused_parameters)
+        state.forward = state.ddp
+    if compile:
+        state.forward = torch.compile(state.forward, **(compile if isinstance(compile, dict) else {}))
 
 
 def _wrap_ddp(module: nn.Module, ctx: DistContext, *, sync_buffers: bool,
@@ -334,34 +329,14 @@ def _wrap_ddp(module: nn.Module, ctx: DistContext, *, sync_buffers: bool,
     return DDP(module, device_ids=device_ids, **kwargs)
 
 
-class _Callback:
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def on_step_end(self, state: TrainState, terms: dict[str, float]) -> None:
-        fn = getattr(self.obj, "on_step_end", None)
-        if fn is not None:
-            fn(state, terms)
-
-    def on_epoch_end(self, state: TrainState, record: dict[str, Any]) -> None:
-        fn = getattr(self.obj, "on_epoch_end", None)
-        if fn is None and callable(self.obj):
-            fn = self.obj
-        if fn is not None:
-            fn(state, record)
-
-
-def _as_callback(obj: Any) -> _Callback:
-    return _Callback(obj)
-
-
-def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any,
-                 hooks: list[_Callback], batch_fn: BatchFn | None = None) -> dict[str, Any]:
-    from bayesify.train import resume as ckpt
-
-    bnn = state.bnn
-    bnn.train()
-    data.set_epoch(state.epoch, start_batch=state.step)
+def _run_epoch(state: TrainContext, *, progress: bool, run: ckpt.Run,
+               hooks: list[Callback]) -> dict[str, Any]:
+    """One epoch of the family's step over this rank's batches; the epoch's record."""
+    bnn, step = state.bnn, state.family
+    assert step is not None and state.data is not None
+    bnn.train(step.optimizes)
+    state.data.set_epoch(state.epoch, start_batch=state.step)
+    state.logged = {}
     totals = state.totals or {"loss": 0.0, "nll": 0.0, "kl": 0.0, "count": 0.0, "images": 0.0,
                               "batches": 0.0, "seconds": 0.0}
     state.totals = totals
@@ -370,8 +345,7 @@ def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any
                desc=f"epoch {state.epoch + 1}/{state.epochs}", disable=not progress,
                leave=False, dynamic_ncols=True)
     beta, micro = 0.0, 0
-    for batch in iter_batches(data, device=bnn.device, batch_fn=batch_fn,
-                              channels_last=state.channels_last):
+    for batch in state.train_batches():
         if state.num_classes is None:  # the first batch: the class count is the logits'
             state.num_classes = _num_classes(bnn, batch)
         labels = batch.require_labels("fit")
@@ -379,7 +353,10 @@ def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any
             check_labels(labels, state.num_classes, where="fit")
         check_finite_batch(batch, where=f"fit at epoch {state.epoch}, step {state.step}",
                            error=NonFiniteLossError)  # before the forward touches BN statistics
-        terms = train_step(state, batch)
+        done = state.step
+        terms = step.step(batch, state)
+        if state.step == done:  # a step that took no gradient step: the driver counts
+            state.step += 1
         micro += 1
         totals["images"] += batch.size
         totals["batches"] += 1
@@ -387,9 +364,7 @@ def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any
         if terms is None:
             continue
         beta = terms["beta"]
-        for k in ("loss", "nll", "kl"):
-            totals[k] += terms[k] * micro
-        totals["count"] += micro
+        _add_terms(totals, terms, micro)
         micro = 0
         bar.set_postfix(loss=f"{terms['loss']:.4f}", nll=f"{terms['nll']:.4f}",
                         kl=f"{terms['kl']:.1f}", beta=f"{beta:.2f}")
@@ -399,43 +374,53 @@ def _train_epoch(state: TrainState, data: TrainData, *, progress: bool, run: Any
             ckpt.save(state, run)
         for hook in hooks:
             hook.on_step_end(state, terms)
-    flushed = flush_group(state, beta)
-    if flushed is not None:
-        for k in ("loss", "nll", "kl"):
-            totals[k] += flushed[k] * micro
-        totals["count"] += micro
+    if state.optimizer is not None:
+        flushed = flush_group(state, beta)
+        if flushed is not None:
+            _add_terms(totals, flushed, micro)
     bar.close()
-    if totals["batches"] == 0:
+    return _epoch_record(state, totals, beta, seconds=time.perf_counter() - start)
+
+
+def _add_terms(totals: dict[str, float], terms: dict[str, float], micro: int) -> None:
+    for k in ("loss", "nll", "kl"):
+        totals[k] += terms[k] * micro
+    totals["count"] += micro
+
+
+def _epoch_record(state: TrainContext, totals: dict[str, float], beta: float, *,
+                  seconds: float) -> dict[str, Any]:
+    if totals["batches"] == 0 and state.optimizer is not None:
         raise BayesifyError(
             "the training loader produced no batches"
             + (f" on rank {state.ctx.rank} of {state.ctx.world_size}: the global batch "
                "(batch_size × world size) may exceed the data set" if state.ctx.distributed else "")
         )
-    seconds = time.perf_counter() - start
     images = all_reduce_sum(torch.tensor([totals["images"]], dtype=torch.float64),
                             state.ctx).item()
-    count = max(totals["count"], 1.0)
-    record: dict[str, Any] = {k: totals[k] / count for k in ("loss", "nll", "kl")}
-    record.update({
-        "epoch": state.epoch + 1,
-        "steps": int(totals["batches"]),
-        "beta": beta,
-        "lr": state.optimizer.param_groups[0]["lr"],
-        "seconds": seconds,
-        "images_per_second": images / max(seconds, 1e-9),
-        "world_size": state.ctx.world_size,
-    })
-    for group in state.optimizer.param_groups[1:]:
-        record[f"lr_{group.get('name', 'group')}"] = group["lr"]
+    if images == 0:  # a statistics pass: a rank's shard may be empty, not every rank's
+        raise BayesifyError("the training loader produced no batches")
+    record: dict[str, Any] = {}
+    if state.optimizer is not None:
+        count = max(totals["count"], 1.0)
+        record = {k: totals[k] / count for k in ("loss", "nll", "kl")}
+    record.update({"epoch": state.epoch + 1, "steps": int(totals["batches"])})
+    if state.optimizer is not None:
+        record.update({"beta": beta, "lr": state.optimizer.param_groups[0]["lr"]})
+    else:
+        record["examples"] = int(images)
+    record.update({"seconds": seconds, "images_per_second": images / max(seconds, 1e-9),
+                   "world_size": state.ctx.world_size})
+    if state.optimizer is not None:
+        for group in state.optimizer.param_groups[1:]:
+            record[f"lr_{group.get('name', 'group')}"] = group["lr"]
+    record.update(state.logged)
     return record
 
 
 @torch.no_grad()
 def _num_classes(bnn: BayesianModel, batch: Any) -> int:
     """Classes of the model's output, from one row of a batch in eval mode."""
-    from bayesify.core.method import call_model, logits_of
-    from bayesify.core.outputs import check_not_probabilities
-
     was_training = bnn.training
     bnn.eval()
     try:
@@ -453,9 +438,3 @@ def _dataset_size(loader: Iterable) -> int:
         raise BayesifyError("cannot infer N_train from the loader; pass n_train=...")
     return len(dataset)
 
-
-def _num_batches(loader: Iterable) -> int:
-    try:
-        return len(loader)  # type: ignore[arg-type]
-    except TypeError:
-        return 0

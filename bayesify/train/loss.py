@@ -9,8 +9,10 @@ weighted per training example::
     loss = mean NLL + β · w · KL(q‖p) / N_train
 
 (``w`` the family's minibatch KL weighting, 1 unless given; KL = 0 for families
-without a variational term). Optimise ``bnn.method.param_groups(bnn, lr=..., weight_decay=0)``
-(or simply ``bnn.posterior_parameters()``) and leave the base frozen, as ``fit`` does.
+without a variational term). Optimise
+``bnn.method.step().param_groups(bnn, lr=..., weight_decay=0)`` (or simply
+``bnn.posterior_parameters()``) and leave the base frozen, as ``fit`` does; for a
+family's predictive-scale knob call ``bayesify.tune(bnn, val_loader)`` after training.
 Hugging Face ``Trainer``::
 
     class BayesTrainer(transformers.Trainer):
@@ -28,7 +30,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from bayesify.core.batch import BatchFn, split_batch
 from bayesify.errors import BayesifyError
@@ -48,16 +49,9 @@ class LossTerms:
 
 def nll_and_kl(bnn: BayesianModel, inputs: Any, labels: torch.Tensor,
                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean NLL over the family's tiled batch and the summed KL (fp32; ``fit``'s core)."""
-    with bnn.context.use(None, generator=generator):
-        logits, targets = bnn.training_forward(inputs, labels)
-    nll = F.cross_entropy(logits.float(), targets)
-    if bnn.method.training == "elbo":
-        with torch.autocast(device_type=labels.device.type, enabled=False):
-            kl = bnn.kl().float()  # KL stays in fp32 under AMP
-    else:
-        kl = torch.zeros((), device=nll.device)
-    return nll, kl
+    """Mean NLL over the family's tiled batch and the summed KL (fp32): ``Step.terms`` of
+    the family's step, exactly what one micro-batch of ``fit`` computes."""
+    return bnn.method.step().terms(bnn, inputs, labels, generator)
 
 
 def elbo_loss(bnn: BayesianModel, batch: Any, *, n_train: int, beta: float = 1.0,

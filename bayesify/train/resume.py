@@ -44,7 +44,7 @@ from bayesify.train.checkpoint import (
 from bayesify.train.distributed import DistContext, broadcast_object, gather_objects
 
 if TYPE_CHECKING:
-    from bayesify.train.loop import TrainState
+    from bayesify.train.context import TrainState
 
 __all__ = ["Run", "check_schedule", "identity", "read_for_resume", "restore", "save"]
 

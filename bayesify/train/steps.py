@@ -1,10 +1,9 @@
-"""The gradient steps of the one training loop: ELBO and SGD-snapshot.
+"""The gradient-step service of the fit context: optimiser, accumulation, DDP, AMP.
 
-``loss = mean NLL over the tiled batch + β(t) · w_i · KL / N_train`` (``w_i`` the
-family's minibatch KL weighting, 1 by default). Snapshot families (SWAG, snapshot
-ensembles) take the same step with ``KL = 0`` and collect the iterates in
-``method.after_step``; the curvature pass (Laplace) lives in
-:mod:`bayesify.train.curvature`.
+``loss = mean NLL over the tiled batch + β(t) · w_i · KL / N_train`` with the NLL and KL
+from the family's ``Step.terms`` and ``w_i`` its ``Step.kl_weight`` (1 by default);
+``Step.before_update`` / ``Step.after_update`` run around every optimiser step (SWAG
+collects its iterates there). A step calls this through ``ctx.gradient_step(batch)``.
 
 A step never leaves a non-finite posterior behind (:mod:`bayesify.train.guard`):
 the buffers a forward can change (BatchNorm statistics) are copied before it and
@@ -16,91 +15,47 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from bayesify.core.batch import Batch
+from bayesify.core.fitting import Step
 from bayesify.errors import BayesifyError, NonFiniteLossError
-from bayesify.train.distributed import DistContext, all_reduce_mean
+from bayesify.train.distributed import all_reduce_mean
 from bayesify.train.guard import refuse_unusable_step, step_guard
 from bayesify.train.intent import trainable_base_parameters
-from bayesify.train.loss import nll_and_kl
 from bayesify.train.schedules import beta_schedule, lr_factor
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
+    from bayesify.train.context import TrainState
 
 
 class TrainForward(nn.Module):
     """``(args, kwargs, y) → (mean NLL, KL)`` of one tiled batch: the module DDP wraps.
 
-    Routing the family's ``training_forward`` through this module's ``forward``
-    is what lets ``DistributedDataParallel`` hook the backward pass (DDP only
-    all-reduces gradients of a forward that went through the DDP wrapper).
-    Inputs travel as a tuple and a dict (which DDP and ``torch.compile`` handle);
-    noise is drawn from ``generator`` (this rank's stream), in fp32.
+    Routing the step's ``terms`` through this module's ``forward`` is what lets
+    ``DistributedDataParallel`` hook the backward pass (DDP only all-reduces
+    gradients of a forward that went through the DDP wrapper). Inputs travel as a
+    tuple and a dict (which DDP and ``torch.compile`` handle); noise is drawn from
+    ``generator`` (this rank's stream), in fp32.
     """
 
-    def __init__(self, bnn: BayesianModel, generator: torch.Generator | None = None) -> None:
+    def __init__(self, bnn: BayesianModel, generator: torch.Generator | None = None,
+                 step: Step | None = None) -> None:
         super().__init__()
         self.bnn = bnn
         self.generator = generator
+        self.step = step if step is not None else bnn.method.step()
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                 y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inputs: Any = Batch(tuple(args), dict(kwargs), None)
         if not kwargs and len(args) == 1:
             inputs = args[0]  # a plain tensor keeps the tensor path of every family
-        return nll_and_kl(self.bnn, inputs, y, self.generator)
-
-
-@dataclass
-class TrainState:
-    bnn: BayesianModel
-    optimizer: torch.optim.Optimizer
-    base_lrs: list[float]
-    schedules: list[Any]
-    epochs: int
-    steps_per_epoch: int
-    n_train: int
-    kl_anneal_epochs: float
-    beta_max: float
-    epoch: int = 0
-    #: batches done in the current epoch (micro-batches with accumulation)
-    step: int = 0
-    #: optimiser steps since the start of training
-    global_step: int = 0
-    #: the module called for the loss terms: TrainForward, its DDP wrapper, compiled
-    forward: nn.Module | None = None
-    ddp: nn.Module | None = None
-    ctx: DistContext = field(default_factory=DistContext)
-    amp: bool = False
-    channels_last: bool = False
-    grad_accum_steps: int = 1
-    clip_grad_norm: float | None = None
-    noise_generator: torch.Generator | None = None
-    #: ``[loss, nll, kl]`` of the micro-batches of the open accumulation group
-    pending: list[torch.Tensor] = field(default_factory=list)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    #: running sums of the current epoch (restored on mid-epoch resume)
-    totals: dict[str, float] = field(default_factory=dict)
-    #: copies of the trainable tensors taken before the latest optimiser step
-    backup: list[torch.Tensor] = field(default_factory=list)
-    #: classes of the model's output (set from the first batch; labels are checked)
-    num_classes: int | None = None
-
-    @property
-    def progress(self) -> float:
-        """Epochs done, fractional: the argument of every schedule."""
-        group_start = (self.step // self.grad_accum_steps) * self.grad_accum_steps
-        return self.epoch + group_start / max(self.steps_per_epoch, 1)
-
-    def trainable(self) -> list[torch.Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        return self.step.terms(self.bnn, inputs, y, self.generator)
 
 
 def build_optimizer(
@@ -112,10 +67,14 @@ def build_optimizer(
     momentum: float,
     weight_decay: float,
     base_weight_decay: float,
+    step: Step | None = None,
 ) -> torch.optim.Optimizer:
-    """Posterior group(s) from the family (large LR, no weight decay) + base group if ``base_lr > 0``."""
-    groups = bnn.method.param_groups(bnn, lr=lr, weight_decay=weight_decay)
-    if base_lr > 0:  # only what the user left trainable (bayesify.train.intent)
+    """Posterior group(s) from the family's step (large LR, no weight decay) + base group
+    if ``base_lr > 0``."""
+    step = step if step is not None else bnn.method.step()
+    groups = step.param_groups(bnn, lr=lr, weight_decay=weight_decay)
+    if base_lr > 0:
+        # only what the user left trainable (bayesify.train.intent)
         groups.append({"params": trainable_base_parameters(bnn), "lr": base_lr,
                        "weight_decay": base_weight_decay, "name": "base"})
     else:
@@ -154,7 +113,7 @@ def train_step(state: TrainState, batch: Batch | torch.Tensor,
     if not isinstance(batch, Batch):
         batch = Batch((batch,), {}, y)
     if state.forward is None:
-        state.forward = TrainForward(state.bnn, state.noise_generator)
+        state.forward = TrainForward(state.bnn, state.noise_generator, state.family)
     y = batch.require_labels("fit")
     closes, size = _closes_group(state)
     # schedules are read at the start of the accumulation group: A micro-batches of
@@ -165,14 +124,12 @@ def train_step(state: TrainState, batch: Batch | torch.Tensor,
     for group, base, schedule in zip(state.optimizer.param_groups, state.base_lrs, state.schedules):
         group["lr"] = base * lr_factor(progress, schedule, epochs=state.epochs)
     if state.step % state.grad_accum_steps == 0:
-        state.bnn.method.before_step(state.bnn, state)
+        state.family.before_update(state)
         step_guard(state).begin()  # buffers the forward may change (BatchNorm statistics)
     sync = (state.ddp.no_sync() if state.ddp is not None and not closes  # type: ignore[operator]
             else contextlib.nullcontext())
-    autocast = (torch.autocast(device_type=y.device.type, dtype=torch.bfloat16) if state.amp
-                else contextlib.nullcontext())
     with sync:
-        with autocast:
+        with state.autocast():
             nll, kl = state.forward(batch.args, batch.kwargs, y)
         loss = nll + beta * _kl_weight(state, group_start) * kl / state.n_train
         (loss / size).backward()
@@ -185,17 +142,14 @@ def train_step(state: TrainState, batch: Batch | torch.Tensor,
 
 
 def _kl_weight(state: TrainState, group_start: int) -> float:
-    """Family hook ``method.kl_weight(i, M)``: minibatch KL weighting (1 when absent).
+    """The step's minibatch KL weighting ``Step.kl_weight(i, M)``.
 
     ``i``/``M`` count optimiser steps of the epoch, so the weights sum to M over
     an epoch whatever the accumulation.
     """
-    hook = getattr(state.bnn.method, "kl_weight", None)
-    if hook is None:
-        return 1.0
     accum = state.grad_accum_steps
     total = -(-state.steps_per_epoch // accum) if state.steps_per_epoch > 0 else 0
-    return float(hook(group_start // accum, total))
+    return float(state.family.kl_weight(group_start // accum, total))
 
 
 def _optimizer_step(state: TrainState, beta: float, batch_index: int) -> dict[str, float]:
@@ -221,7 +175,7 @@ def _optimizer_step(state: TrainState, beta: float, batch_index: int) -> dict[st
     state.optimizer.zero_grad(set_to_none=True)
     refuse_unusable_step(state, where, loss, params)  # parameters and buffers, rolled back
     state.global_step += 1
-    state.bnn.method.after_step(state.bnn, state)
+    state.family.after_update(state)
     return {"loss": loss, "nll": nll, "kl": kl, "beta": beta}
 
 
@@ -232,6 +186,5 @@ def flush_group(state: TrainState, beta: float) -> dict[str, float] | None:
     if state.ddp is not None and state.ctx.distributed:  # the last backward ran under no_sync
         for p in state.bnn.parameters():
             if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= state.ctx.world_size
+                p.grad.copy_(all_reduce_mean(p.grad, state.ctx))
     return _optimizer_step(state, beta, state.step - 1)

@@ -7,16 +7,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import nn
 
 from bayesify.core.context import SamplingContext
+from bayesify.core.fitting import Step
 from bayesify.core.method import wrapper_table
-from bayesify.core.predictive_scale import (
-    TEMPERATURE_GRID,
-    MemberTemperature,
-    add_knob,
-    reset_knob,
-    tune_knob,
-)
-from bayesify.core.rank_one import RankOneLayer
-from bayesify.core.tiled import TiledMethod
+from bayesify.kit.knobs import MemberTemperature
+from bayesify.kit.rank_one import RankOneLayer
+from bayesify.kit.steps import ElboStep, Tiled
+from bayesify.kit.tiled import TiledMethod
 from bayesify.methods.batchensemble.config import BatchEnsembleConfig
 
 if TYPE_CHECKING:
@@ -46,20 +42,11 @@ class BatchEnsembleMethod(MemberTemperature, TiledMethod):
     config_cls = BatchEnsembleConfig
     wrappers: ClassVar = wrapper_table(BatchEnsembleLayer)
 
-    def prepare(self, bnn: BayesianModel) -> None:
-        add_knob(bnn, self.knob_name)
-
-    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
-        reset_knob(bnn, self.knob_name)
-
-    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
-                   batch_fn: Any = None) -> dict[str, Any]:
-        """With ``val_loader``: the members' logit temperature by validation NLL."""
-        return tune_knob(bnn, val_loader, name=self.knob_name, grid=TEMPERATURE_GRID,
-                         batch_fn=batch_fn, meaning="temperature of every member's logits")
-
-    def default_samples_per_component(self) -> int:
-        return 1  # members are deterministic: more samples would repeat them
+    def step(self) -> Step:
+        # lr: r, s are O(1) multipliers whatever the network; the mean loss over K tiled
+        # copies gives each member 1/K of its gradient, so the step is scaled by K
+        return ElboStep(Tiled(self.components), lr=0.05 * self.components,
+                        groups=self.param_groups)
 
     def param_groups(self, bnn: BayesianModel, *, lr: float, weight_decay: float) -> list[dict[str, Any]]:
         """Fast weights at ``lr · fast_lr_mult``; biases / per-member BN at ``lr``."""
@@ -75,8 +62,3 @@ class BatchEnsembleMethod(MemberTemperature, TiledMethod):
         if rest:
             groups.append({"params": rest, "lr": lr, "weight_decay": weight_decay, "name": "posterior"})
         return groups
-
-    def default_lr(self) -> float:
-        # r, s are O(1) multipliers whatever the network; the mean loss over K tiled
-        # copies gives each member 1/K of its gradient, so the step is scaled by K
-        return 0.05 * self.components

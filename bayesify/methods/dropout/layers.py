@@ -14,8 +14,8 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
-from bayesify.core.predictive_scale import knob_float
-from bayesify.core.rank_one import forward_without_bias
+from bayesify.kit.knobs import knob_float
+from bayesify.kit.rank_one import forward_without_bias
 from bayesify.methods.dropout.config import DropoutConfig
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from bayesify.core.method import Method, wrapper_table
-from bayesify.core.predictive_scale import SPREAD_GRID, add_knob, reset_knob, tune_knob
+from bayesify.core.fitting import Step
+from bayesify.core.method import wrapper_table
+from bayesify.kit.family import NoiseFamily
+from bayesify.kit.knobs import SpreadKnob
+from bayesify.kit.steps import ElboStep, RoundRobin
 from bayesify.methods.dropout.config import DropoutConfig
 from bayesify.methods.dropout.layers import DropoutLayer
 
@@ -14,10 +17,11 @@ if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
 logger = logging.getLogger("bayesify")
+
 KNOB = "dropout_rate_scale"
 
 
-class DropoutMethod(Method):
+class DropoutMethod(SpreadKnob, NoiseFamily):
     """Dropout before every target layer, kept on at prediction; no KL term.
 
     One component; training draws one mask per row (``samples`` repeats per
@@ -29,6 +33,8 @@ class DropoutMethod(Method):
 
     name = "dropout"
     config_cls = DropoutConfig
+    knob = KNOB
+    knob_meaning = "multiplier of the dropout rate at prediction; 0 = no dropout"
     wrappers: ClassVar = wrapper_table(DropoutLayer)
 
     def prepare(self, bnn: BayesianModel) -> None:
@@ -37,18 +43,8 @@ class DropoutMethod(Method):
             first = bnn.targets[0]
             bnn.bayesian_layers()[first].p = 0.0
             logger.info("dropout: no dropout before the input layer %r (skip_input_layer)", first)
-        add_knob(bnn, KNOB, layers=layers)
+        super().prepare(bnn)
 
-    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
-        reset_knob(bnn, KNOB)
-
-    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
-                   batch_fn: Any = None) -> dict[str, Any]:
-        """With ``val_loader``: the multiplier of the dropout rate at prediction by
-        validation NLL (shared one-SE search; 0 = the deterministic network)."""
-        return tune_knob(bnn, val_loader, name=KNOB, grid=SPREAD_GRID, batch_fn=batch_fn,
-                         meaning="multiplier of the dropout rate at prediction; 0 = no dropout")
-
-    def default_lr(self) -> float:
-        # the variational parameters are the pretrained weights: a fine-tuning LR
-        return 0.001
+    def step(self) -> Step:
+        # lr: the variational parameters are the pretrained weights: a fine-tuning LR
+        return ElboStep(RoundRobin(self.config.samples, 1), lr=0.001)

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.member_bn import MemberBatchNorm
-from bayesify.core.method import logits_of
+from bayesify.core.method import member_components
+from bayesify.core.outputs import logits_of
 from bayesify.errors import BayesifyError
+from bayesify.kit.member_bn import MemberBatchNorm
 from bayesify.methods.ensemble.layers import EnsembleLayer
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def component_network(bnn: BayesianModel, k: int) -> nn.Module:
 def export_ensemble(bnn: BayesianModel, *, samples_per_component: int,
                     example_input: Any) -> nn.Module:
     """``x → [M, B, C]``: K member networks, member m = component ``member_components[m]``."""
-    method = bnn.method
-    members = method.member_components(samples_per_component, example_input.device)
-    models = [component_network(bnn, k) for k in range(method.components)]
+    components = bnn.method.components
+    members = member_components(components, samples_per_component, example_input.device)
+    models = [component_network(bnn, k) for k in range(components)]
     return ComponentStack(models, members)

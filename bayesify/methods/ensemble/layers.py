@@ -14,7 +14,7 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, channel_axis, in_channels
-from bayesify.core.rank_one import forward_without_bias
+from bayesify.kit.rank_one import forward_without_bias
 from bayesify.methods.ensemble.config import EnsembleConfig
 
 

@@ -28,19 +28,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from bayesify.core.member_bn import MemberBatchNorm
-from bayesify.core.method import batch_device, batch_rows, call_model, logits_of
-from bayesify.core.predictive_scale import (
-    TEMPERATURE_GRID,
-    MemberTemperature,
-    add_knob,
-    reset_knob,
-    tune_knob,
-    with_member_temperature,
-)
-from bayesify.core.tiled import TiledMethod
+from bayesify.core.batch import batch_device, batch_rows, call_model
+from bayesify.core.fitting import FitContext, Step
+from bayesify.core.names import base_name
+from bayesify.core.outputs import logits_of
 from bayesify.core.walker import find_classifier
 from bayesify.errors import BayesifyError
+from bayesify.kit.knobs import MemberTemperature, with_member_temperature
+from bayesify.kit.member_bn import MemberBatchNorm
+from bayesify.kit.steps import ElboStep, Layout, SnapshotStep, Tiled
+from bayesify.kit.tiled import TiledMethod
 from bayesify.methods.ensemble.config import EnsembleConfig
 from bayesify.methods.ensemble.export import export_ensemble
 from bayesify.methods.ensemble.layers import EnsembleLayer
@@ -67,45 +64,30 @@ class EnsembleMethod(MemberTemperature, TiledMethod):
         nn.Conv3d: EnsembleLayer,
     }
 
-    def __init__(self, config: EnsembleConfig) -> None:
-        super().__init__(config)
-        # snapshot ensembles: SGD steps with a cyclic LR, one member per cycle
-        self.training = "snapshot" if config.snapshot else "elbo"  # type: ignore[misc]
-        self._state: Any = None
-
-    @property
-    def active_member(self) -> int:
-        return int(self._state.value("snapshot_member")) if self._state is not None else 0
-
     def prepare(self, bnn: BayesianModel) -> None:
-        super().prepare(bnn)
         bnn.state.add("snapshot_member", torch.zeros((), dtype=torch.long))
         bnn.state.add("snapshot_cycle", torch.zeros((), dtype=torch.float64))
-        add_knob(bnn, self.knob_name)
-        self._state = bnn.state
-        if self.config.head_init == "pretrained" and self.config.init_noise == 0 and \
-                not self.config.snapshot:
+        super().prepare(bnn)  # the member temperature
+        cfg: EnsembleConfig = self.config
+        if cfg.head_init == "pretrained" and cfg.init_noise == 0 and not cfg.snapshot:
             logger.warning(
                 "ensemble: head_init='pretrained' with init_noise=0 starts %d identical members "
                 "that see identical batches: they stay identical (no spread). Set init_noise > 0 "
                 "or head_init='random'", self.components)
-        if self.config.head_init == "random" and not self.config.snapshot:
+        if cfg.head_init == "random" and not cfg.snapshot:
             head = find_classifier(bnn.model)
-            layers = bnn.bayesian_layers()
-            name = head.removesuffix(".base_layer") if head else None
-            layer = layers.get(name) if name else None
+            layer = bnn.bayesian_layers().get(base_name(head)) if head else None
             if isinstance(layer, EnsembleLayer):
                 for k in range(self.components):
-                    layer.reset_member(k, torch.Generator().manual_seed(self.config.seed + k))
+                    layer.reset_member(k, torch.Generator().manual_seed(cfg.seed + k))
 
-    def default_samples_per_component(self) -> int:
-        return 1  # members are deterministic networks
-
-    def default_lr(self) -> float:
-        # the members are copies of the pretrained weights: a fine-tuning step (1e-3; 1e-2
-        # diverged on a pretrained BN CNN), scaled by M because the mean loss over M
+    def step(self) -> Step:
+        if self.config.snapshot:  # SGD steps of the one loop, one member per cycle
+            return SnapshotEnsembleStep(self.components)
+        # lr: the members are copies of the pretrained weights: a fine-tuning step (1e-3;
+        # 1e-2 diverged on a pretrained BN CNN), scaled by M because the mean loss over M
         # tiled copies gives each member 1/M of its gradient
-        return 0.001 * self.components
+        return EnsembleStep(Tiled(self.components), lr=0.001 * self.components)
 
     def export_module(self, bnn: BayesianModel, *, samples_per_component: int, seed: int,
                       example_input: torch.Tensor) -> nn.Module:
@@ -115,74 +97,78 @@ class EnsembleMethod(MemberTemperature, TiledMethod):
                                   example_input=example_input)
         return with_member_temperature(members, bnn.state.value(self.knob_name))
 
-    # -- snapshot ensembles --------------------------------------------------------------
-    def training_forward(
-        self, bnn: BayesianModel, x: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.config.snapshot:
-            return super().training_forward(bnn, x, y)
-        comp = torch.full((batch_rows(x),), self.active_member, dtype=torch.long,
-                          device=batch_device(x))
-        with bnn.context.use(comp):
-            return logits_of(call_model(bnn.model, x)), y
 
-    def _copy_member(self, bnn: BayesianModel, source: int, target: int) -> None:
-        with torch.no_grad():
-            for layer in bnn.bayesian_layers().values():
-                if isinstance(layer, EnsembleLayer):
-                    layer.copy_member(source, target)
-                elif isinstance(layer, MemberBatchNorm):
-                    for t in (layer.member_weight, layer.member_bias, layer.member_running_mean,
-                              layer.member_running_var):
-                        t[target].copy_(t[source])
+class EnsembleStep(ElboStep):
+    """Deep ensemble: the ELBO step of the tiled members (no KL: the layers have none)."""
 
-    # -- snapshot ensembles in the one loop (training = "snapshot") -------------------
-    def fit_defaults(self) -> dict[str, Any]:
-        return {"lr": 0.01} if self.config.snapshot else {}
-
-    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
-        """Snapshot ensemble: a cosine LR restarted every ``epochs·steps / M`` steps."""
-        reset_knob(bnn, self.knob_name)
-        if self.config.head_init == "random" and not self.config.snapshot and epochs < 5:
+    def begin(self, ctx: FitContext) -> None:
+        cfg: EnsembleConfig = ctx.bnn.posterior_config
+        if cfg.head_init == "random" and ctx.epochs < 5:
             logger.warning(
                 "ensemble: head_init='random' re-initialised every member's classifier; %d "
                 "epoch(s) may not retrain them to the base network's accuracy (use more epochs "
-                "or head_init='pretrained')", epochs)
-        if not self.config.snapshot:
-            return
-        cycle = epochs * steps_per_epoch / self.components
+                "or head_init='pretrained')", ctx.epochs)
+
+
+class ActiveMember(Layout):
+    """Snapshot ensembles: every row trains the member of the current cycle."""
+
+    def __call__(self, bnn: BayesianModel, x: Any,
+                 y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        member = int(bnn.state.value("snapshot_member"))
+        comp = torch.full((batch_rows(x),), member, dtype=torch.long, device=batch_device(x))
+        with bnn.context.use(comp):
+            return logits_of(call_model(bnn.model, x)), y
+
+
+class SnapshotEnsembleStep(SnapshotStep):
+    """Snapshot ensemble (Huang et al. 2017): a cosine LR restarted every
+    ``epochs·steps / M`` optimiser steps; member k's slot trains during cycle k, starting
+    from the end of cycle k−1."""
+
+    def __init__(self, components: int) -> None:
+        super().__init__(ActiveMember(), defaults={"lr": 0.01})
+        self.components = components
+
+    def begin(self, ctx: FitContext) -> None:
+        cycle = ctx.epochs * ctx.steps_per_epoch / self.components
         if cycle < 1:
             raise BayesifyError(
-                f"snapshot ensemble needs at least one step per member: {epochs} epoch(s) × "
-                f"{steps_per_epoch} step(s) < components={self.components}; train longer"
+                f"snapshot ensemble needs at least one step per member: {ctx.epochs} epoch(s) × "
+                f"{ctx.steps_per_epoch} step(s) < components={self.components}; train longer"
             )
-        bnn.state.set("snapshot_cycle", cycle)
-        bnn.state.set("snapshot_member", 0)
+        ctx.bnn.state.set("snapshot_cycle", cycle)
+        ctx.bnn.state.set("snapshot_member", 0)
 
-    def before_step(self, bnn: BayesianModel, state: Any) -> None:
-        """Member k's slot is trained during cycle k, starting from the end of cycle k−1;
-        the optimiser state is reset at every restart."""
-        if not self.config.snapshot:
-            return
-        cycle = bnn.state.value("snapshot_cycle")
-        step = state.global_step
+    def before_update(self, ctx: FitContext) -> None:
+        """Switch to the cycle's member (copying the previous one into its slot; the
+        optimiser state is reset at every restart) and set the cosine LR."""
+        state = ctx.bnn.state
+        cycle = state.value("snapshot_cycle")
+        step = ctx.global_step
         member = min(int(step // cycle), self.components - 1)
-        if member != self.active_member:
-            self._copy_member(bnn, self.active_member, member)
-            bnn.state.set("snapshot_member", member)
-            state.optimizer.state.clear()  # old slots get zero gradients; no stale momentum
+        active = int(state.value("snapshot_member"))
+        if member != active:
+            copy_member(ctx.bnn, active, member)
+            state.set("snapshot_member", member)
+            ctx.optimizer.state.clear()  # old slots get zero gradients; no stale momentum
         phase = (step - member * cycle) / cycle
-        for group, base in zip(state.optimizer.param_groups, state.base_lrs):
+        for group, base in zip(ctx.optimizer.param_groups, ctx.base_lrs):
             group["lr"] = 0.5 * base * (1 + math.cos(math.pi * min(phase, 1.0)))
 
-    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any = None, val_loader: Any = None,
-                   ctx: Any = None, batch_fn: Any = None) -> dict[str, Any]:
-        """Snapshot ensembles: back to member 0. With ``val_loader``: the members' logit
-        temperature by validation NLL (shared one-SE search, bounded grid)."""
-        record: dict[str, Any] = {}
-        if self.config.snapshot:
-            bnn.state.set("snapshot_member", 0)
-            record["snapshots"] = self.components
-        record.update(tune_knob(bnn, val_loader, name=self.knob_name, grid=TEMPERATURE_GRID,
-                                batch_fn=batch_fn, meaning="temperature of every member's logits"))
-        return record
+    def end(self, ctx: FitContext) -> dict[str, Any]:
+        """Back to member 0."""
+        ctx.bnn.state.set("snapshot_member", 0)
+        return {"snapshots": self.components}
+
+
+def copy_member(bnn: BayesianModel, source: int, target: int) -> None:
+    """Member ``source``'s weights (and per-member BatchNorm) into slot ``target``."""
+    with torch.no_grad():
+        for layer in bnn.bayesian_layers().values():
+            if isinstance(layer, EnsembleLayer):
+                layer.copy_member(source, target)
+            elif isinstance(layer, MemberBatchNorm):
+                for t in (layer.member_weight, layer.member_bias, layer.member_running_mean,
+                          layer.member_running_var):
+                    t[target].copy_(t[source])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bayesify.core.config import option, require
-from bayesify.core.priors import WeightPriorConfig
+from bayesify.kit.priors import WeightPriorConfig
 
 PARAMETERIZATIONS = ("auto", "full", "slices", "rank1")
 NOISE_MODES = ("independent", "shared")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bayesify.core.context import SamplingContext
-from bayesify.core.weightspace import member_normal
+from bayesify.kit.weightspace import member_normal
 
 #: stream id of the one noise draw that every layer reads when noise is shared
 SHARED_STREAM = -1

@@ -24,9 +24,9 @@ from torch import nn
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
-from bayesify.core.predictive_scale import knob_value
-from bayesify.core.priors import WeightPrior
-from bayesify.core.weightspace import apply_layer, batched_apply, member_rows
+from bayesify.kit.knobs import knob_value
+from bayesify.kit.priors import WeightPrior
+from bayesify.kit.weightspace import apply_layer, batched_apply, member_rows
 from bayesify.methods.hypernet.config import HypernetConfig
 from bayesify.methods.hypernet.estimator import nearest_neighbour_kl
 from bayesify.methods.hypernet.generator import NoiseSource, WeightGenerator

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
 from torch import nn
 
 from bayesify.core.context import SamplingContext
-from bayesify.core.layers import BayesianLayer
-from bayesify.core.method import Method, wrapper_table
-from bayesify.core.predictive_scale import SPREAD_GRID, add_knob, reset_knob, tune_knob
-from bayesify.core.weight_members import export_weight_members
-from bayesify.core.weightspace import member_training_forward
+from bayesify.core.fitting import Step
+from bayesify.core.method import Method, wrap_targets, wrapper_table
+from bayesify.kit.knobs import SPREAD_GRID, SpreadKnob
+from bayesify.kit.steps import ElboStep, WeightMembers
+from bayesify.kit.weight_members import export_weight_members
 from bayesify.methods.hypernet.config import HypernetConfig
 from bayesify.methods.hypernet.generator import NoiseSource
 from bayesify.methods.hypernet.layers import HypernetLayer
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
 KNOB = "hypernet_noise_scale"
 
 
-class HypernetMethod(Method):
+class HypernetMethod(SpreadKnob, Method):
     """An implicit weight posterior: per-layer generator MLPs fed with noise.
 
     Training: every example repeated ``samples`` times, every repeat one
@@ -34,47 +33,34 @@ class HypernetMethod(Method):
 
     name = "hypernet"
     config_cls = HypernetConfig
+    knob = KNOB
+    knob_meaning = "multiplier of the generator noise z; 0 = the z = 0 network"
+    # at most the trained spread: the generator barely moves at the safe SGD step, and
+    # widening it (×2 … ×5) cost a point of accuracy on a pretrained digits CNN
+    knob_grid = tuple(v for v in SPREAD_GRID if v <= 1.0)
     wrappers: ClassVar = wrapper_table(HypernetLayer)
 
-    def __init__(self, config: HypernetConfig) -> None:
-        super().__init__(config)
-        self.noise = NoiseSource(config.noise_dim, shared=config.noise == "shared")
+    def build(self, model: nn.Module, targets: list[str],
+              context: SamplingContext) -> dict[str, nn.Module]:
+        """Every target's generator layer, all drawing from one noise source (shared z
+        per forward pass with ``noise='shared'``)."""
+        cfg: HypernetConfig = self.config
+        noise = NoiseSource(cfg.noise_dim, shared=cfg.noise == "shared")
+        return wrap_targets(self, model, targets, context, noise=noise)
 
-    def wrap(self, name: str, module: nn.Module, context: SamplingContext) -> BayesianLayer:
-        return HypernetLayer(module, context=context, config=self.config, noise=self.noise)
+    def prepare(self, bnn: BayesianModel) -> None:
+        bnn.context.track_passes = self.config.noise == "shared"  # one shared z per forward pass
+        super().prepare(bnn)
 
-    def training_forward(
-        self, bnn: BayesianModel, x: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return member_training_forward(bnn, x, y, self.config.samples)
+    def step(self) -> Step:
+        # lr: the nearest-neighbour KL has gradients ~1/(distance between samples),
+        # unbounded in the network's weight scale: plain SGD diverged at 1e-3 (NaN at step
+        # 3–5, or NaN predictions on MiniLM). 1e-5 keeps SGD stable; with optimizer="adam"
+        # the paper's 1e-4 is better (Adam normalises the step).
+        return ElboStep(WeightMembers(self.config.samples), lr=1e-5)
 
-    def export_module(
-        self, bnn: BayesianModel, *, samples_per_component: int, seed: int, example_input: torch.Tensor
-    ) -> nn.Module:
+    def export_module(self, bnn: BayesianModel, *, samples_per_component: int, seed: int,
+                      example_input: object) -> nn.Module:
         """M generated networks, materialised as plain copies of the base network."""
         return export_weight_members(bnn, samples_per_component=samples_per_component, seed=seed,
                                      example_input=example_input)
-
-    def prepare(self, bnn: BayesianModel) -> None:
-        bnn.context.track_passes = self.noise.shared  # one shared z per forward pass
-        add_knob(bnn, KNOB, layers=bnn.bayesian_layers().values())
-
-    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
-        reset_knob(bnn, KNOB)
-
-    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
-                   batch_fn: Any = None) -> dict[str, Any]:
-        """With ``val_loader``: the multiplier of the generator noise z at prediction
-        (0 = the z = 0 network) by validation NLL (shared one-SE search)."""
-        # at most the trained spread: the generator barely moves at the safe SGD step, and
-        # widening it (×2 … ×5) cost a point of accuracy on a pretrained digits CNN
-        grid = tuple(v for v in SPREAD_GRID if v <= 1.0)
-        return tune_knob(bnn, val_loader, name=KNOB, grid=grid, batch_fn=batch_fn,
-                         meaning="multiplier of the generator noise z; 0 = the z = 0 network")
-
-    def default_lr(self) -> float:
-        # The nearest-neighbour KL has gradients ~1/(distance between samples), unbounded
-        # in the network's weight scale: plain SGD diverged at 1e-3 (NaN at step 3–5, or
-        # NaN predictions on MiniLM). 1e-5 keeps SGD stable; with optimizer="adam" the
-        # paper's 1e-4 is better (Adam normalises the step).
-        return 1e-5

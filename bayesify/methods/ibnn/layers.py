@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from bayesify.core.context import SamplingContext
-from bayesify.core.gaussian import gaussian_kl, inverse_softplus
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
-from bayesify.core.predictive_scale import knob_value
+from bayesify.kit.gaussian import gaussian_kl, inverse_softplus
+from bayesify.kit.knobs import knob_value
 from bayesify.methods.ibnn.config import IBNNConfig
 
 

@@ -58,6 +58,11 @@ class LaplaceConfig(MethodConfig):
         2**24, "Bound on B·C·P elements of one chunk of per-example Jacobians (subnetwork)."
     )
 
+    def default_samples(self) -> int:
+        """Members of the default predictor: the MC samples of ``link='mc'``, else 1 (the
+        probit / bridge predictive is one Gaussian over the logits)."""
+        return self.predict_samples if self.link == "mc" else 1
+
     def validate(self) -> None:
         require(self.structure in STRUCTURES,
                 f"structure must be one of {STRUCTURES}, got {self.structure!r}")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 
-from bayesify.core.method import logits_of
+from bayesify.core.outputs import logits_of
 
 
 def augmented_features(a: torch.Tensor, bias: bool) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Export of the Laplace predictive: the linearised (GLM) predictive as a plain module.
 
-``export_laplace(bnn, ...)`` returns ``x [B, ...] → [M, B, C]`` computing exactly what
+``export_laplace(bnn, config, ...)`` returns ``x [B, ...] → [M, B, C]`` computing exactly what
 ``LaplaceMethod.member_logits`` computes, with everything that depends only on the
 posterior (and τ) precomputed into buffers:
 
@@ -25,15 +25,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.method import logits_of
+from bayesify.core.outputs import logits_of
 from bayesify.core.walker import replace_modules
 from bayesify.errors import BayesifyError
+from bayesify.kit.stacked import StackedModels
 from bayesify.methods.laplace import posterior as post
+from bayesify.methods.laplace import state
+from bayesify.methods.laplace.config import LaplaceConfig
 from bayesify.methods.laplace.curvature import augmented_features
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
-    from bayesify.methods.laplace.method import LaplaceMethod
 
 
 class FeatureTap(nn.Module):
@@ -128,28 +130,24 @@ def _last_layer_tensors(posterior: object, structure: str, link: str, tau: torch
         if structure == "diag":
             return {"inv_h": 1.0 / (posterior.h + tau)}
         c, d = posterior.mean.shape
-        cov = posterior._covariance(tau)[0].view(c, d, c, d)
+        cov = posterior.covariance(tau)[0].view(c, d, c, d)
         return {"cov_blocks": cov.diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous(),
                 "cov_rows": cov.sum(2).contiguous()}
 
 
-def export_laplace(method: LaplaceMethod, bnn: BayesianModel, *, samples_per_component: int,
-                   seed: int, example_input: Any, deterministic: bool) -> nn.Module:
-    """The plain ``x → [M, B, C]`` module of ``method``'s predictive (see module docstring)."""
-    from bayesify.core.stacked import StackedModels
-
-    if deterministic or method.train_loss is None:  # in process: the MAP network alone
+def export_laplace(bnn: BayesianModel, config: LaplaceConfig, *, samples_per_component: int,
+                   seed: int, deterministic: bool) -> nn.Module:
+    """The plain ``x → [M, B, C]`` module of the fitted predictive (see module docstring)."""
+    if deterministic or state.train_loss(bnn) is None:  # in process: the MAP network alone
         return StackedModels([bnn.unwrap()])
-    layers = method._layers(bnn)
-    posterior = method.posterior(bnn)
-    tau = method.prior_precision(bnn).detach()
-    link = method.config.link
-    if method.last_layer:
-        name, layer = next(iter(layers.items()))
+    if state.last_layer(bnn):
+        name, layer = next(iter(state.layers(bnn).items()))
+        posterior = state.posterior(bnn, config)
+        tau = state.prior_precision(bnn, config).detach()
         model, tap = _unwrapped_with_tap(bnn, name)
-        tensors = _last_layer_tensors(posterior, layer.structure, link, tau,
+        tensors = _last_layer_tensors(posterior, layer.structure, config.link, tau,
                                       samples=samples_per_component, seed=seed)
-        return LastLayerLaplace(model, tap, has_bias=layer.has_bias, link=link,
+        return LastLayerLaplace(model, tap, has_bias=layer.has_bias, link=config.link,
                                 structure=layer.structure, dtype=posterior.mean.dtype,
                                 tensors=tensors).eval()
     raise BayesifyError(

@@ -110,7 +110,7 @@ class LastLayerFull:
     def log_det(self, tau: torch.Tensor) -> torch.Tensor:
         return torch.linalg.cholesky(self.precision(tau)).diagonal().log().sum() * 2
 
-    def _covariance(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def covariance(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Σ [P, P], chol(Σ))``, cached per τ value."""
         key = float(tau)
         if self._cache is None or self._cache[0] != key:
@@ -121,13 +121,13 @@ class LastLayerFull:
 
     def functional_variance(self, feats: torch.Tensor, tau: torch.Tensor) -> FunctionalVariance:
         c, d = self.mean.shape
-        cov = self._covariance(tau)[0].view(c, d, c, d)
+        cov = self.covariance(tau)[0].view(c, d, c, d)
         diag = torch.einsum("bd,cdce,be->bc", feats, cov, feats)
         rowsum = torch.einsum("bd,cde,be->bc", feats, cov.sum(2), feats)
         return diag, rowsum, rowsum.sum(-1)
 
     def sample_weights(self, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-        chol = self._covariance(tau)[1]
+        chol = self.covariance(tau)[1]
         s = z.shape[0]
         return self.mean + (z.reshape(s, -1) @ chol.T).view_as(z)
 

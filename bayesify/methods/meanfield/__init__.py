@@ -1,6 +1,6 @@
 """Mean-field Gaussian weight posterior: Bayes by Backprop (Blundell et al. 2015)."""
 
-from bayesify.core.priors import WeightPrior, gaussian_kl, scale_mixture_log_prob
+from bayesify.kit.priors import WeightPrior, gaussian_kl, scale_mixture_log_prob
 from bayesify.methods.meanfield.config import MeanFieldConfig
 from bayesify.methods.meanfield.layers import MeanFieldLayer
 from bayesify.methods.meanfield.method import (

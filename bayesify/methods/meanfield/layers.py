@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from bayesify.core.context import SamplingContext
-from bayesify.core.gaussian import inverse_softplus
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis
-from bayesify.core.predictive_scale import knob_value
-from bayesify.core.priors import WeightPrior
-from bayesify.core.weightspace import (
+from bayesify.kit.gaussian import inverse_softplus
+from bayesify.kit.knobs import knob_value
+from bayesify.kit.priors import WeightPrior
+from bayesify.kit.weightspace import (
     apply_layer,
     batched_apply,
     member_normal,

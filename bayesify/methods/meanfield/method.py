@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from bayesify.core.method import Method, wrapper_table
-from bayesify.core.predictive_scale import SpreadKnob
-from bayesify.core.weight_members import export_weight_members
-from bayesify.core.weightspace import member_training_forward
+from bayesify.core.fitting import Step
+from bayesify.core.method import wrapper_table
 from bayesify.errors import BayesifyError
+from bayesify.kit.family import NoiseFamily
+from bayesify.kit.knobs import SpreadKnob
+from bayesify.kit.steps import ElboStep, RoundRobin, WeightMembers
+from bayesify.kit.weight_members import export_weight_members
 from bayesify.methods.meanfield.config import MeanFieldConfig
 from bayesify.methods.meanfield.layers import MeanFieldLayer
 
@@ -51,7 +53,7 @@ def minibatch_kl_weight(step: int, steps_per_epoch: int, weighting: str = "unifo
     raise BayesifyError(f"unknown KL weighting {weighting!r}; use 'uniform' or 'blundell'")
 
 
-class MeanFieldMethod(SpreadKnob, Method):
+class MeanFieldMethod(SpreadKnob, NoiseFamily):
     """Bayes by Backprop around every target Linear/Conv (Blundell et al. 2015).
 
     Training: ``samples`` repeats per example; local reparameterisation / flipout
@@ -66,15 +68,17 @@ class MeanFieldMethod(SpreadKnob, Method):
     knob_meaning = "multiplier of the weight posterior std; 0 = mean network"
     wrappers: ClassVar = wrapper_table(MeanFieldLayer)
 
-    def training_forward(
-        self, bnn: BayesianModel, x: torch.Tensor, y: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.config.sampling == "weights":
-            return member_training_forward(bnn, x, y, self.config.samples)
-        return super().training_forward(bnn, x, y)
+    def step(self) -> Step:
+        cfg: MeanFieldConfig = self.config
+        layout = (WeightMembers(cfg.samples) if cfg.sampling == "weights"
+                  else RoundRobin(cfg.samples, self.components))
+        # lr: μ are the pretrained weights themselves: SGD at 0.01 (momentum 0.9) walked a
+        # pretrained BN CNN off its optimum within one epoch (accuracy 0.14 on one seed);
+        # 1e-3 is the fine-tuning step every seed and network tried kept within a point
+        return ElboStep(layout, lr=0.001, kl_weighting=self.kl_weight, groups=self.param_groups)
 
     def kl_weight(self, step: int, steps_per_epoch: int) -> float:
-        """Minibatch KL multiplier (see :func:`minibatch_kl_weight`); the trainer calls it."""
+        """Minibatch KL multiplier (see :func:`minibatch_kl_weight`)."""
         return minibatch_kl_weight(step, steps_per_epoch, self.config.kl_weighting)
 
     def param_groups(self, bnn: BayesianModel, *, lr: float, weight_decay: float) -> list[dict[str, Any]]:
@@ -99,9 +103,3 @@ class MeanFieldMethod(SpreadKnob, Method):
                                          seed=seed, example_input=example_input)
         return export_weight_members(bnn, samples_per_component=samples_per_component, seed=seed,
                                      example_input=example_input)
-
-    def default_lr(self) -> float:
-        # μ are the pretrained weights themselves: SGD at 0.01 (momentum 0.9) walked a
-        # pretrained BN CNN off its optimum within one epoch (accuracy 0.14 on one seed);
-        # 1e-3 is the fine-tuning step every seed and network tried kept within a point
-        return 0.001

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bayesify.core.config import MethodConfig, option, require
-from bayesify.core.rank_one import INIT_CHOICES
+from bayesify.kit.rank_one import INIT_CHOICES
 
 
 @dataclass(frozen=True)

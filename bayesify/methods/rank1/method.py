@@ -7,10 +7,12 @@ from typing import ClassVar
 from torch import nn
 
 from bayesify.core.context import SamplingContext
+from bayesify.core.fitting import Step
 from bayesify.core.method import wrapper_table
-from bayesify.core.predictive_scale import SpreadKnob
-from bayesify.core.rank_one import RankOneLayer
-from bayesify.core.tiled import TiledMethod
+from bayesify.kit.knobs import SpreadKnob
+from bayesify.kit.rank_one import RankOneLayer
+from bayesify.kit.steps import ElboStep, Tiled
+from bayesify.kit.tiled import TiledMethod
 from bayesify.methods.rank1.config import Rank1Config
 
 KNOB = "rank1_noise_scale"
@@ -42,7 +44,7 @@ class Rank1Method(SpreadKnob, TiledMethod):
     knob_meaning = "multiplier of the posterior std of r, s; 0 = member means"
     wrappers: ClassVar = wrapper_table(Rank1Layer)
 
-    def default_lr(self) -> float:
-        # r, s and ρ are O(1) multipliers whatever the network; each member's factors get
-        # 1/K of the mean loss's gradient, so the step is scaled by K
-        return 0.05 * self.components
+    def step(self) -> Step:
+        # lr: r, s and ρ are O(1) multipliers whatever the network; each member's factors
+        # get 1/K of the mean loss's gradient, so the step is scaled by K
+        return ElboStep(Tiled(self.components), lr=0.05 * self.components)

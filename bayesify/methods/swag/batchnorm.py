@@ -4,21 +4,18 @@ After a network θ_s is drawn, its BatchNorm running statistics are recomputed w
 pass over (a fraction of) the training data in train mode with cumulative-average
 momentum (``momentum=None``): ``running_mean = mean over batches of the batch means``,
 exactly what ``torch.optim.swa_utils.update_bn`` does, but on fresh buffers passed to
-``torch.func.functional_call`` so the model's own statistics stay untouched.
+``torch.func.functional_call`` so the model's own statistics stay untouched. The batches
+come from a :class:`~bayesify.core.fitting.BatchSource`: the fit context's share of the
+training data during ``fit``, a loader given to the predictor afterwards.
 """
 
 from __future__ import annotations
-
-import math
-from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from bayesify.core.batch import Batch, iter_batches
-from bayesify.methods.swag.posterior import all_reduce_mean_
+from bayesify.core.fitting import BatchSource
 
 _BN = nn.modules.batchnorm._BatchNorm
 
@@ -39,33 +36,19 @@ def batchnorm_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def limited_inputs(loader: Iterable, device: torch.device, fraction: float,
-                   batch_fn: Any = None) -> Iterator[Batch]:
-    """Inputs of the first ``ceil(fraction · len(loader))`` batches (all when len is unknown)."""
-    try:
-        limit = max(1, math.ceil(fraction * len(loader)))  # type: ignore[arg-type]
-    except TypeError:
-        limit = None
-    for i, batch in enumerate(iter_batches(loader, device=device, batch_fn=batch_fn)):
-        if limit is not None and i >= limit:
-            break
-        yield batch.inputs_only()
-
-
 @torch.no_grad()
 def recompute_batchnorm(
     model: nn.Module,
     params: dict[str, torch.Tensor],
-    loader: Iterable,
+    source: BatchSource,
     *,
     fraction: float,
-    device: torch.device,
-    batch_fn: Any = None,
 ) -> dict[str, torch.Tensor]:
     """Running statistics of every BatchNorm layer of ``model`` evaluated at ``params``.
 
     Returns ``{"<bn>.running_mean": [C], "<bn>.running_var": [C], "<bn>.num_batches_tracked"}``
-    (cumulative averages over the batches; averaged over DDP ranks).
+    (cumulative averages over ``source.batches(fraction)``; averaged over the processes
+    sharing the pass by ``source.mean``).
     """
     bns = batchnorm_modules(model)
     if not bns or fraction <= 0:
@@ -82,7 +65,7 @@ def recompute_batchnorm(
         for m in bns.values():
             m.momentum = None
             m.train()
-        for batch in limited_inputs(loader, device, fraction, batch_fn):
+        for batch in source.batches(fraction):
             functional_call(model, {**params, **state}, batch.args, batch.kwargs)
     finally:
         for name, m in bns.items():
@@ -91,5 +74,5 @@ def recompute_batchnorm(
             m.training = training
     for value in state.values():
         if value.is_floating_point():
-            all_reduce_mean_(value)
+            value.copy_(source.mean(value))
     return state

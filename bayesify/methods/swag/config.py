@@ -97,6 +97,10 @@ class SWAGConfig(MethodConfig):
         require(isinstance(self.predict_samples, int) and self.predict_samples > 0,
                 f"predict_samples must be a positive integer, got {self.predict_samples!r}")
 
+    def default_samples(self) -> int:
+        """N sampled networks at prediction (1 for 'swa': the mean network)."""
+        return 1 if self.variant == "swa" else self.predict_samples
+
     @property
     def sample_scale(self) -> float:
         """The covariance scale actually used: 0.5 for 'swag', 1.0 for 'diag' by default."""

@@ -2,7 +2,7 @@
 
 The wrapped layer's own parameters are what SGD moves during collection; at
 prediction the method swaps sampled values in for them with
-``torch.func.functional_call`` (keys ``<name>.base_layer.<param>``), so the
+``torch.func.functional_call`` (keys ``<name>.theta.<param>``), so the
 wrapper's forward is the base layer's forward.
 """
 

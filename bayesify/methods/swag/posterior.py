@@ -15,21 +15,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
+from bayesify.core.names import base_name, dotted, flat_key
 from bayesify.methods.swag.layers import SWAGLayer
-
-
-def distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def all_reduce_mean_(tensor: torch.Tensor) -> torch.Tensor:
-    """In-place average over DDP ranks (no-op without torch.distributed)."""
-    if distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor.div_(dist.get_world_size())
-    return tensor
 
 
 def parameter_keys(layers: dict[str, SWAGLayer]) -> list[tuple[str, SWAGLayer, str]]:
@@ -37,9 +25,21 @@ def parameter_keys(layers: dict[str, SWAGLayer]) -> list[tuple[str, SWAGLayer, s
     out = []
     for lname, layer in layers.items():
         for pname in layer.param_names:
-            key = pname.replace(".", "__")
-            out.append((f"{lname}.theta.{key}", layer, key))
+            key = flat_key(pname)
+            out.append((theta_name(lname, key), layer, key))
     return out
+
+
+def theta_name(layer: str, key: str) -> str:
+    """functional_call key of the working copy ``theta[key]`` of SWAG layer ``layer``."""
+    return f"{layer}.theta.{key}"
+
+
+def base_parameter_name(name: str) -> str:
+    """A functional_call key of a SWAG network → the base model's name: a working copy
+    ``"fc.theta.weight"`` → ``"fc.weight"``; other keys (BatchNorm statistics) as given."""
+    layer, sep, key = name.rpartition(".theta.")
+    return base_name(f"{layer}.{dotted(key)}") if sep else base_name(name)
 
 
 def collected_rank(layers: dict[str, SWAGLayer]) -> int:
@@ -70,7 +70,7 @@ def sample_parameters(
     device: torch.device,
     min_variance: float = 1e-30,
 ) -> dict[str, torch.Tensor]:
-    """One sampled network: ``{"<layer>.base_layer.<param>": θ}`` on ``device``.
+    """One sampled network: ``{"<layer>.theta.<param>": θ}`` on ``device``.
 
     ``variant='swa'`` returns the mean θ̄. The noise is drawn on the CPU from
     ``generator`` (z2 first, then z1 parameter by parameter), so a seed gives the

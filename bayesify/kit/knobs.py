@@ -1,32 +1,31 @@
-"""The one predictive-scale knob of a gradient-trained family, held in ``bnn.state``.
+"""The predictive-scale knob of a gradient-trained family, held in ``bnn.state``.
 
-Each family names one knob with a plain meaning and registers it in ``prepare``
-(:func:`add_knob`): a multiplier of the learned posterior std / noise (ibnn, rank1,
-meanfield, hypernet; 0 is the mean network), a multiplier of the dropout rate
-(dropout; 0 is the deterministic network) or a temperature of the members' logits
-(batchensemble, ensemble; bounded grid, never T → 0). The knob is 1 while training
-(layers read it only in eval mode, :func:`knob_value`), is reset to 1 by
-``begin_fit`` and, when ``fit`` is given a ``val_loader``, is chosen by the shared
-validation search (:func:`tune_knob` → :func:`bayesify.core.tuning.select_on_validation`)
-from the family's ``finish_fit``. Being a buffer of ``bnn.state`` it is saved,
-loaded and checkpointed with the posterior, so a reloaded posterior predicts
-exactly as the tuned one; layers read it inside their forward, so export (which
-runs the layers with frozen noise) applies it too.
+Each family declares one knob with a plain meaning (a :class:`~bayesify.core.fitting.Knob`)
+and registers its state entry in ``prepare`` (:func:`add_knob`): a multiplier of the
+learned posterior std / noise (ibnn, rank1, meanfield, hypernet; 0 is the mean network),
+a multiplier of the dropout rate (dropout; 0 is the deterministic network) or a
+temperature of the members' logits (batchensemble, ensemble; bounded grid, never
+T → 0). The knob is 1 while training (layers read it only in eval mode,
+:func:`knob_value`); ``fit`` installs its ``initial`` value 1 before the first step and,
+given a ``val_loader``, the driver's knob search chooses it. Being a buffer of
+``bnn.state`` it is saved, loaded and checkpointed with the posterior, so a reloaded
+posterior predicts exactly as the tuned one; layers read it inside their forward, so
+export (which runs the layers with frozen noise) applies it too.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from bayesify.core.fitting import Knob
+from bayesify.core.prediction import Prediction
+
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
-
-logger = logging.getLogger("bayesify")
 
 #: multipliers of a learned std / rate: 0 (the mean network) … 2 (twice the spread)
 SPREAD_GRID: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
@@ -65,41 +64,11 @@ def knob_float(layer: nn.Module) -> float:
     return float(value) if isinstance(value, torch.Tensor) else value
 
 
-def reset_knob(bnn: BayesianModel, name: str) -> None:
-    """Back to 1 (the trained posterior itself): called from ``begin_fit``."""
-    bnn.state.set(name, 1.0)
-
-
-def tune_knob(
-    bnn: BayesianModel,
-    val_loader: Iterable | None,
-    *,
-    name: str,
-    grid: tuple[float, ...] | list[float],
-    meaning: str,
-    batch_fn: Any = None,
-) -> dict[str, Any]:
-    """Choose the knob on ``val_loader`` (shared search, one-SE rule, broadest value).
-
-    Returns the record that lands in ``fit``'s history: ``{name, name_grid,
-    name_val_nll}``; an empty record (knob left at 1) without a validation loader.
-    """
-    if val_loader is None:
-        return {}
-    from bayesify.core.tuning import select_on_validation
-
-    was_training = bnn.training
-    bnn.eval()
-    try:
-        record = select_on_validation(
-            bnn, val_loader, set_knob=lambda v: bnn.state.set(name, v), grid=list(grid),
-            rule="one_se", prefer="largest", batch_fn=batch_fn, name=name,
-        )
-    finally:
-        bnn.train(was_training)
-    logger.info("%s: %s = %.3g chosen on validation NLL (%s)", bnn.method_name, name,
-                record[name], meaning)
-    return record
+def state_knob(bnn: BayesianModel, name: str, *, grid: Iterable[float], meaning: str,
+               prefer: str = "largest", initial: float | None = 1.0) -> Knob:
+    """The :class:`Knob` of the ``bnn.state`` entry ``name`` (1 = the trained posterior)."""
+    return Knob(name=name, grid=tuple(float(v) for v in grid), meaning=meaning,
+                set=lambda value: bnn.state.set(name, value), prefer=prefer, initial=initial)
 
 
 class ScaledLogits(nn.Module):
@@ -119,14 +88,18 @@ class MemberTemperature:
     ensemble): their knob is a temperature ``T`` of every member's logits, applied in
     ``predictive`` (so the predictor, calibration, evaluation and the validation
     search see it; ``member_logits`` stays the raw members, which the default export
-    freezes) and in ``export_module``. Set ``knob_name``; call :func:`add_knob` in
-    ``prepare``."""
+    freezes) and in ``export_module``."""
 
     knob_name: str = "member_temperature"
 
-    def predictive(self, bnn: BayesianModel, x: Any, **kwargs: Any) -> Any:
-        from bayesify.core.prediction import Prediction
+    def prepare(self, bnn: BayesianModel) -> None:
+        add_knob(bnn, self.knob_name)
 
+    def knobs(self, bnn: BayesianModel) -> list[Knob]:
+        return [state_knob(bnn, self.knob_name, grid=TEMPERATURE_GRID,
+                           meaning="temperature of every member's logits")]
+
+    def predictive(self, bnn: BayesianModel, x: Any, **kwargs: Any) -> Any:
         logits = self.member_logits(bnn, x, **kwargs).float()  # type: ignore[attr-defined]
         temperature = bnn.state.get_buffer(self.knob_name)
         return Prediction(logits / temperature.to(logits.device, torch.float32))
@@ -142,21 +115,17 @@ def with_member_temperature(members: nn.Module, temperature: float) -> nn.Module
 
 
 class SpreadKnob:
-    """Mixin (before ``Method`` in the bases) for families whose knob multiplies the learned
-    posterior spread: registered in ``prepare``, reset to 1 by ``begin_fit``, tuned on
-    ``val_loader`` in ``finish_fit``. Set ``knob`` (the state name) and ``knob_meaning``."""
+    """Mixin (before the method base) for families whose knob multiplies the learned
+    posterior spread: registered in ``prepare`` for every injected layer, declared by
+    ``knobs``. Set ``knob`` (the state name), ``knob_meaning`` and, to narrow it,
+    ``knob_grid``."""
 
     knob: str = ""
     knob_meaning: str = ""
+    knob_grid: tuple[float, ...] = SPREAD_GRID
 
     def prepare(self, bnn: BayesianModel) -> None:
         add_knob(bnn, self.knob, layers=bnn.bayesian_layers().values())
 
-    def begin_fit(self, bnn: BayesianModel, *, steps_per_epoch: int, epochs: int) -> None:
-        reset_knob(bnn, self.knob)
-
-    def finish_fit(self, bnn: BayesianModel, *, train_loader: Any, val_loader: Any, ctx: Any,
-                   batch_fn: Any = None) -> dict[str, Any]:
-        """With ``val_loader``: the spread multiplier by validation NLL (shared one-SE search)."""
-        return tune_knob(bnn, val_loader, name=self.knob, grid=SPREAD_GRID, batch_fn=batch_fn,
-                         meaning=self.knob_meaning)
+    def knobs(self, bnn: BayesianModel) -> list[Knob]:
+        return [state_knob(bnn, self.knob, grid=self.knob_grid, meaning=self.knob_meaning)]

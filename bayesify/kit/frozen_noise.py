@@ -16,7 +16,8 @@ from torch import nn
 
 from bayesify.core.batch import Batch, example_batch
 from bayesify.core.context import SamplingContext, expand_plan_rows
-from bayesify.core.method import Method, logits_of
+from bayesify.core.method import Method, member_components
+from bayesify.core.outputs import logits_of
 from bayesify.errors import BayesifyError
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ def frozen_noise_members(bnn: BayesianModel, *, samples_per_component: int, seed
         if isinstance(module.__dict__.get("context"), SamplingContext):
             object.__setattr__(module, "context", context)
     example = example_batch(example_input)
-    members = method.member_components(samples_per_component, example.device)
+    members = member_components(method.components, samples_per_component, example.device)
     frozen = FrozenNoiseMembers(model, context, members, seed=seed,
                                 deterministic=bnn.context.force_deterministic)
     with torch.no_grad():

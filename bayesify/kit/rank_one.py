@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from bayesify.core.context import SamplingContext
-from bayesify.core.gaussian import gaussian_kl, inverse_softplus
 from bayesify.core.layers import (
     BayesianLayer,
     broadcast_rows,
@@ -25,8 +24,9 @@ from bayesify.core.layers import (
     in_channels,
     out_channels,
 )
-from bayesify.core.predictive_scale import knob_value
 from bayesify.errors import BayesifyError
+from bayesify.kit.gaussian import gaussian_kl, inverse_softplus
+from bayesify.kit.knobs import knob_value
 
 INIT_CHOICES = ("random_sign", "normal", "ones")
 

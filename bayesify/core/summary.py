@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from bayesify.core.names import in_base_layer
+
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
@@ -22,10 +24,10 @@ if TYPE_CHECKING:
 def _posterior_sizes(layer: nn.Module) -> tuple[int, int]:
     """``(trainable values, state values)`` of a wrapper, its base layer excluded."""
     trainable = sum(p.numel() for n, p in layer.named_parameters()
-                    if not n.startswith("base_layer.") and p.requires_grad)
+                    if not in_base_layer(n) and p.requires_grad)
     frozen = sum(p.numel() for n, p in layer.named_parameters()
-                 if not n.startswith("base_layer.") and not p.requires_grad)
-    state = sum(b.numel() for n, b in layer.named_buffers() if not n.startswith("base_layer."))
+                 if not in_base_layer(n) and not p.requires_grad)
+    state = sum(b.numel() for n, b in layer.named_buffers() if not in_base_layer(n))
     return trainable, frozen + state
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bayesify.core.method import logits_of
+from bayesify.core.outputs import logits_of
 
 
 class StackedModels(nn.Module):

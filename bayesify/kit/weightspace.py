@@ -16,11 +16,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bayesify.core.batch import batch_device, batch_rows, call_model, tile
 from bayesify.core.context import SamplingContext, expand_plan_rows
+from bayesify.core.outputs import logits_of
 from bayesify.errors import BayesifyError
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -143,14 +147,13 @@ def batched_apply(
     return outs
 
 
-def member_training_forward(bnn, x: torch.Tensor, y: torch.Tensor, reps: int):
+def member_training_forward(bnn: Any, x: Any, y: torch.Tensor,
+                            reps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled training batch where every repeat is one member (one weight sample).
 
     Rows ``s·B … (s+1)·B−1`` form member ``s``: S weight samples per step in one
     forward, and the mean NLL averages every sample's likelihood.
     """
-    from bayesify.core.method import batch_device, batch_rows, call_model, logits_of, tile
-
     batch = batch_rows(x)
     member = torch.arange(reps, device=batch_device(x)).repeat_interleave(batch)
     comp = torch.zeros_like(member)

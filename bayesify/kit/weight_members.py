@@ -10,27 +10,28 @@ and matmuls only (no random ops, no bayesify).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from bayesify.core.method import member_components
+from bayesify.kit.stacked import StackedModels
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
 
 def export_weight_members(
-    bnn: BayesianModel, *, samples_per_component: int, seed: int, example_input: torch.Tensor
+    bnn: BayesianModel, *, samples_per_component: int, seed: int, example_input: Any
 ) -> nn.Module:
     """``x → [M, B, C]`` from M unwrapped copies carrying member m's weights.
 
     Every injected layer must implement ``member_parameters() -> (weight, bias)``
     for the single member of the active plan.
     """
-    from bayesify.core.stacked import StackedModels
-
     device = example_input.device
-    num_members = bnn.method.member_components(samples_per_component, device).shape[0]
+    num_members = member_components(bnn.method.components, samples_per_component).shape[0]
     layers = bnn.bayesian_layers()
     models = []
     for m in range(num_members):

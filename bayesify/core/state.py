@@ -1,0 +1,42 @@
+"""Per-model state: saved posterior state (buffers) and a runtime (never saved) cache.
+
+Whatever a family needs per model lives here or in its layers, never on the method
+object (one method object describes a family's structure; it holds no model data).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class PosteriorState(nn.Module):
+    """Family-level posterior state held as buffers (e.g. SWAG's covariance scale,
+    Laplace's training loss, the predictive temperature), saved and loaded with the
+    posterior and checkpoints like every other buffer. Families register entries in
+    ``Method.prepare`` with fixed shapes, so loading is strict."""
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        self.register_buffer(name, value.detach().clone())
+
+    def set(self, name: str, value: torch.Tensor | float) -> None:
+        buffer = self.get_buffer(name)
+        buffer.copy_(torch.as_tensor(value, dtype=buffer.dtype).reshape(buffer.shape))
+
+    def value(self, name: str) -> float:
+        return float(self.get_buffer(name).reshape(-1)[0])
+
+
+class RuntimeCache(dict):
+    """``bnn.runtime``: per-model values that are not posterior state and are never saved,
+    checkpointed, copied or pickled — caches derived from the state (a posterior view,
+    recomputed BatchNorm statistics) and sources of data a predictive may need (SWAG's
+    BatchNorm batches). A deep copy or unpickled model starts with an empty cache."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RuntimeCache:
+        return RuntimeCache()
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (RuntimeCache, ())

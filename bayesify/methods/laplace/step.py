@@ -1,0 +1,169 @@
+"""Laplace's curvature step: one gradient-free pass adds every batch's GGN to the layers'
+buffers; ``end`` sums them over the ranks and chooses τ by the marginal likelihood
+(``prior_method='marglik'``, or ``'auto'`` without a validation split). With validation
+data the driver's knob search chooses τ instead (``LaplaceMethod.knobs``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from bayesify.core.batch import call_model
+from bayesify.core.checks import check_finite_inputs, check_finite_logits, check_labels
+from bayesify.core.fitting import FitContext
+from bayesify.core.names import in_base_layer
+from bayesify.core.outputs import logits_of
+from bayesify.errors import BayesifyError
+from bayesify.kit.steps import CurvatureStep
+from bayesify.methods.laplace import curvature as curv
+from bayesify.methods.laplace import state
+from bayesify.methods.laplace.config import LaplaceConfig
+from bayesify.methods.laplace.layers import LaplaceLayer
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
+
+
+def resolved_prior_method(config: LaplaceConfig, validating: bool) -> str:
+    """``prior_method`` with ``'auto'`` resolved: ``'val_nll'`` given validation data."""
+    if config.prior_method == "auto":
+        return "val_nll" if validating else "marglik"
+    return config.prior_method
+
+
+class LaplaceStep(CurvatureStep):
+    """GGN of softmax cross-entropy at the MAP, summed over the training data."""
+
+    refusal = "Laplace is fitted by one gradient-free curvature pass over the data"
+
+    def __init__(self, config: LaplaceConfig) -> None:
+        self.config = config
+
+    def begin(self, ctx: FitContext) -> None:
+        if self.config.prior_method == "val_nll" and not ctx.validating:
+            raise BayesifyError("prior_method='val_nll' needs fit(..., val_loader=...)")
+        bnn = ctx.bnn
+        for layer in state.layers(bnn).values():
+            layer.reset_curvature()
+        bnn.state.set("laplace_train_loss", 0.0)
+        bnn.state.set("laplace_fitted", 0)
+        state.forget_posterior(bnn)
+
+    @torch.no_grad()
+    def accumulate(self, bnn: BayesianModel, inputs: Any, labels: torch.Tensor) -> None:
+        """Add one batch's GGN to the layers' buffers and its summed loss to the state.
+        Last layer: one no-grad forward, features captured by the wrapper."""
+        check_finite_inputs(inputs.args + tuple(inputs.kwargs.values()) if hasattr(inputs, "args")
+                            else inputs, where="laplace fit")
+        found = state.layers(bnn)
+        head = state.first(found)
+        dtype = head.n_data.dtype
+        if state.last_layer(bnn):
+            with state.capturing(head):
+                logits = logits_of(call_model(bnn.model, inputs))
+                feats = self._features(head, logits, check=True)
+                if feats is not None:
+                    check_finite_logits(logits, where="laplace fit")
+                    _last_layer_batch(head, feats.to(dtype), logits.to(dtype).softmax(-1))
+            if feats is None:  # diag on a layer that is not the logits: Jacobian path
+                bnn.state.set("laplace_last_layer", 0)
+                with torch.enable_grad():
+                    logits = self._subnetwork_batch(bnn, found, inputs)
+        else:
+            with torch.enable_grad():
+                logits = self._subnetwork_batch(bnn, found, inputs)
+        check_finite_logits(logits, where="laplace fit")
+        labels = check_labels(labels, logits.shape[-1], where="laplace fit")
+        loss = F.cross_entropy(logits.double(), labels, reduction="sum")
+        total = bnn.state.get_buffer("laplace_train_loss")
+        total.add_(loss.to(total.device, total.dtype))
+        for layer in found.values():
+            layer.n_data.add_(labels.shape[0])
+
+    def statistics(self, bnn: BayesianModel) -> list[torch.Tensor]:
+        """Curvature buffers and N of every layer (not τ) and the summed training loss."""
+        out = [buffer for layer in state.layers(bnn).values()
+               for name, buffer in layer.named_buffers()
+               if not in_base_layer(name) and name != "prior_precision"]
+        return out + [bnn.state.get_buffer("laplace_train_loss")]
+
+    def finish(self, ctx: FitContext) -> dict[str, Any]:
+        """Mark the posterior fitted; τ by the marginal likelihood unless the driver's
+        validation search chooses it (it records τ and the evidence then)."""
+        bnn, cfg = ctx.bnn, self.config
+        bnn.state.set("laplace_fitted", 1)
+        state.forget_posterior(bnn)
+        found = state.layers(bnn)
+        method = resolved_prior_method(cfg, ctx.validating)
+        record: dict[str, Any] = {"n_data": float(state.first(found).n_data),
+                                  "train_loss": float(bnn.state.get_buffer("laplace_train_loss")),
+                                  "prior_method": method}
+        if method == "marglik":
+            count = len(found) if cfg.prior_per_layer else 1
+            log_tau = torch.full((count,), math.log(cfg.prior_precision), dtype=torch.float64,
+                                 device=bnn.device, requires_grad=True)
+            opt = torch.optim.Adam([log_tau], lr=cfg.marglik_lr)
+            with torch.enable_grad():
+                for _ in range(cfg.marglik_steps):
+                    opt.zero_grad()
+                    (-state.log_marginal_likelihood(bnn, cfg, log_tau.exp())).backward()
+                    opt.step()
+            state.set_prior_precision(bnn, log_tau.detach().exp())
+        if method != "val_nll":
+            record.update(state.evidence_record(bnn, cfg))
+        return record
+
+    def _features(self, layer: LaplaceLayer, logits: torch.Tensor, *,
+                  check: bool) -> torch.Tensor | None:
+        """ã ``[B, D']`` from the captured input, after checking the layer makes the logits."""
+        a, out = layer.captured
+        if check and (a.dim() != 2 or out.shape != logits.shape or not torch.equal(out, logits)):
+            if self.config.structure != "diag":
+                raise BayesifyError(
+                    "last-layer Laplace needs the wrapped Linear to produce the model's logits "
+                    f"from [B, D] features (saw input {tuple(a.shape)}, output {tuple(out.shape)}, "
+                    f"logits {tuple(logits.shape)}); name the classifier in targets=[...] or use "
+                    "structure='diag'"
+                )
+            return None
+        return curv.augmented_features(a, layer.has_bias)
+
+    def _subnetwork_batch(self, bnn: BayesianModel, found: dict[str, LaplaceLayer],
+                          x: torch.Tensor) -> torch.Tensor:
+        """Accumulate the diagonal GGN of a batch; returns its logits ``[B, C]``."""
+        cfg = self.config
+        params = curv.subnetwork_parameters(bnn.model, state.param_names(found))
+        h = torch.zeros(sum(p.numel() for p in params.values()), dtype=torch.float64, device=x.device)
+        outs = []
+        if cfg.diag_ggn == "mc":
+            with torch.no_grad():
+                logits = logits_of(bnn.model(x))
+            h += curv.fisher_diag_sampled(bnn.model, params, x, logits.softmax(-1),
+                                          samples=cfg.ggn_samples).double()
+            outs.append(logits)
+        else:
+            for _, xc in curv.example_chunks(x, state.chunk(bnn, cfg, x, h.numel())):
+                jac, f = curv.per_example_jacobians(bnn.model, params, xc)
+                h += curv.ggn_diag_from_jacobians(jac.double(), f.double().softmax(-1))
+                outs.append(f.detach())
+        offset = 0
+        for layer in found.values():
+            size = layer.num_params()
+            layer.ggn_diag.add_(h[offset:offset + size].to(layer.ggn_diag.dtype))
+            offset += size
+        return torch.cat(outs)
+
+
+def _last_layer_batch(layer: LaplaceLayer, feats: torch.Tensor, probs: torch.Tensor) -> None:
+    if layer.structure == "kron":
+        a, g = curv.kron_factors(feats, probs)
+        layer.kron_input.add_(a)
+        layer.kron_output.add_(g)
+    elif layer.structure == "diag":
+        layer.ggn_diag.add_(curv.last_layer_diag(feats, probs, layer.has_bias))
+    else:
+        layer.ggn_full.add_(curv.last_layer_full(feats, probs))

@@ -1,0 +1,100 @@
+"""SWAG's snapshot step: SGD on each layer's working copy ``theta`` from the pretrained
+weights, a snapshot into the layers' :class:`SWAGMoments` every ``period`` optimiser
+steps; at the end θ ← θ̄ and the BatchNorm statistics of θ̄ and of the default
+predictor's members are recomputed from the fit context's share of the training data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bayesify.core.fitting import FitContext
+from bayesify.errors import BayesifyError
+from bayesify.kit.steps import SnapshotStep
+from bayesify.methods.swag import posterior as post
+from bayesify.methods.swag import state
+from bayesify.methods.swag.config import SWAGConfig
+
+
+def tunes_scale(config: SWAGConfig) -> bool:
+    """Whether the covariance scale is a knob chosen on validation data."""
+    return config.variant != "swa" and config.scale_method in ("auto", "val_nll")
+
+
+class SWAGStep(SnapshotStep):
+    """SGD at the family's LR / momentum / weight decay (no KL, no other optimiser)."""
+
+    def __init__(self, config: SWAGConfig) -> None:
+        super().__init__(
+            defaults={"lr": config.lr, "momentum": config.momentum,
+                      "weight_decay": config.weight_decay},
+            refused=("kl_anneal_epochs", "beta", "optimizer"),
+            refusal="SWAG collects the iterates of plain SGD (no KL term, no other optimiser)",
+        )
+        self.config = config
+
+    def begin(self, ctx: FitContext) -> None:
+        """The snapshot period in optimiser steps; moments reset."""
+        cfg, bnn = self.config, ctx.bnn
+        if cfg.variant != "swa" and cfg.scale_method == "val_nll" and not ctx.validating:
+            raise BayesifyError("scale_method='val_nll' needs fit(..., val_loader=...)")
+        steps_per_epoch, epochs = ctx.steps_per_epoch, ctx.epochs
+        total = epochs * steps_per_epoch
+        if cfg.snapshot_every_steps:
+            period = cfg.snapshot_every_steps
+        elif cfg.snapshot_every is not None:
+            period = max(1, round(cfg.snapshot_every * max(steps_per_epoch, 1)))
+        else:  # max_rank snapshots spread over the run: the low-rank part is full at the end
+            period = max(1, total // cfg.max_rank) if total else max(1, steps_per_epoch)
+        if cfg.variant != "swa" and total and total // period < 2:
+            raise BayesifyError(
+                f"SWAG would collect {total // period} snapshot(s) in {epochs} epoch(s) × "
+                f"{steps_per_epoch} step(s) with one every {period} step(s); a posterior needs "
+                "at least 2 (its spread is zero otherwise). Raise epochs or lower "
+                "snapshot_every / snapshot_every_steps"
+            )
+        bnn.state.set("swag_period", period)
+        bnn.state.set("swag_fitted", 0)
+        bnn.state.set("swag_bn_members", 0)
+        state.forget_batchnorm(bnn)
+        for layer in state.layers(bnn).values():
+            layer.moments.reset()
+
+    def before_update(self, ctx: FitContext) -> None:
+        """The cyclic schedule: linear decay lr → lr_min within every snapshot period."""
+        cfg = self.config
+        if cfg.lr_schedule != "cyclic":
+            return
+        period = int(ctx.bnn.state.value("swag_period"))
+        t = ((ctx.global_step % period) + 1) / period  # Izmailov et al.: t(i) = (mod(i−1, c) + 1)/c
+        for group, base in zip(ctx.optimizer.param_groups, ctx.base_lrs):
+            group["lr"] = (1.0 - t) * base + t * cfg.lr_min
+
+    @torch.no_grad()
+    def after_update(self, ctx: FitContext) -> None:
+        """Snapshot θ every ``period`` optimiser steps (identical on every DDP rank)."""
+        bnn = ctx.bnn
+        if ctx.global_step % int(bnn.state.value("swag_period")) == 0:
+            for layer in state.layers(bnn).values():
+                layer.moments.update({k: v.detach() for k, v in layer.theta.items()})
+
+    def end(self, ctx: FitContext) -> dict[str, Any]:
+        """θ ← θ̄; BatchNorm statistics of θ̄ and of the stored members (from this rank's
+        share of the training data, averaged over the ranks)."""
+        bnn = ctx.bnn
+        layers = state.layers(bnn)
+        taken = post.snapshots(layers)
+        if taken == 0:
+            raise BayesifyError("no SWAG snapshot was collected; raise epochs or lower "
+                                "snapshot_every / snapshot_every_steps")
+        with torch.no_grad():
+            for layer in layers.values():
+                for key, value in layer.theta.items():
+                    value.copy_(layer.moments.mean(key).to(value.device, value.dtype))
+        bnn.runtime[state.BN_SOURCE] = ctx.source()
+        bnn.state.set("swag_fitted", 1)
+        state.store_batchnorm(bnn, self.config)
+        return {"snapshots": taken, "rank": post.collected_rank(layers),
+                "scale": state.scale(bnn)}
