@@ -183,7 +183,7 @@ def test_a_config_json_cannot_hold_fails_before_any_write(tmp_path):
     posterior(1).save_posterior(directory)
     before = snapshot(directory)
     bad = posterior(2)
-    object.__setattr__(bad.config, "targets", {"a set", "is not JSON"})
+    object.__setattr__(bad.posterior_config, "targets", {"a set", "is not JSON"})
     with pytest.raises(BayesifyError, match="json cannot store"):
         bad.save_posterior(directory)
     assert snapshot(directory) == before
