@@ -4,6 +4,10 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# fit(epochs=None) trains for a 300-step budget; most tests exercise mechanics, not budgets,
+# and keep the old one-epoch default (subprocesses inherit it). Tests of the library's real
+# defaults use the `library_budget` fixture.
+os.environ["BAYESIFY_MIN_STEPS"] = "1"
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
@@ -23,3 +27,9 @@ def digits_map(digits):
     torch.manual_seed(0)
     loaders = digits_loaders(digits, batch_size=64, seed=0)
     return train_map(DigitsCNN(digits.num_classes), loaders["train"], epochs=8, seed=0)
+
+
+@pytest.fixture
+def library_budget(monkeypatch):
+    """fit's real default step budget (not the one-epoch budget of the other tests)."""
+    monkeypatch.delenv("BAYESIFY_MIN_STEPS", raising=False)

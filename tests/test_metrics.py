@@ -7,7 +7,7 @@ import pytest
 import torch
 from sklearn.metrics import log_loss, roc_auc_score
 
-from bayesify import metrics
+from bayesify import metrics, plots
 from bayesify.predict import Prediction
 
 
@@ -97,8 +97,8 @@ def test_reliability_and_histogram_pngs(tmp_path, batch):
     logits, labels = batch
     probs = logits[0].softmax(-1)
     conf, pred = probs.max(-1)
-    p1 = metrics.save_reliability_diagram({"a": (conf, (pred == labels).float())},
+    p1 = plots.save_reliability_diagram({"a": (conf, (pred == labels).float())},
                                           tmp_path / "rel.png")
-    p2 = metrics.save_entropy_histogram({"a": {"in": metrics.entropy(probs)}},
+    p2 = plots.save_uncertainty_histograms({"a": {"in": metrics.entropy(probs)}},
                                         tmp_path / "hist.png", 4)
     assert p1.read_bytes()[:4] == b"\x89PNG" and p2.stat().st_size > 1000

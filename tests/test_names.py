@@ -71,7 +71,8 @@ def test_post_hoc_dropout_is_tuned_without_a_training_pass():
     assert len(record["dropout_rate_scale_val_nll"]) == len(record["dropout_rate_scale_grid"])
     assert bnn.state.value("dropout_rate_scale") == record["dropout_rate_scale"]
     changed = [k for k, v in bnn.state_dict().items() if not torch.equal(v, before[k])]
-    assert set(changed) <= {"state.dropout_rate_scale"}  # nothing but the knob moved
+    # nothing but the knob and the temperature (chosen with it) moved
+    assert set(changed) <= {"state.dropout_rate_scale", "state.temperature"}
 
 
 @pytest.mark.parametrize("family", ["swag", "laplace"])

@@ -44,7 +44,7 @@ def test_uncertainty_histograms_have_mi_and_say_when_there_is_no_signal(tmp_path
     assert any(re.fullmatch(r"bnn: MI — OOD AUROC [01]\.\d{3}", t) for t in titles)
     map_mi = fig.axes[1]
     assert "no epistemic signal" in map_mi.texts[0].get_text() and not map_mi.patches
-    assert metrics.save_entropy_histogram(groups, tmp_path / "u.png", 5).stat().st_size > 5000
+    assert plots.save_uncertainty_histograms(groups, tmp_path / "u.png", 5).stat().st_size > 5000
 
 
 def test_single_network_mi_auroc_is_na_everywhere():

@@ -190,3 +190,9 @@ class Step:
     def end(self, ctx: FitContext) -> dict[str, Any]:
         """Once after the last batch: reduce, finalise; returns entries of the last record."""
         return {}
+
+    def ready(self, bnn: BayesianModel) -> bool:
+        """Whether ``bnn`` holds a posterior to predict with and tune. Families whose posterior
+        only exists after ``fit`` (SWAG's moments, Laplace's curvature) say ``False`` before
+        it; ``bayesify.tune`` then refuses (a custom training loop cannot build them)."""
+        return True

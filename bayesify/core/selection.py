@@ -58,3 +58,47 @@ def choose(grid: list[float], per_value: list[torch.Tensor], *, rule: str,
         within[best] = True
     order = sorted(torch.nonzero(within).flatten().tolist(), key=lambda i: grid[i])
     return order[-1] if prefer == "largest" else order[0]
+
+
+def choose_joint(clean: torch.Tensor, shifted: torch.Tensor | None, reference: torch.Tensor, *,
+                 prefer: str = "largest", grid: list[float] | None = None) -> tuple[int, int]:
+    """``(value index, temperature index)`` of the joint knob × temperature search.
+
+    ``clean`` ``[V, T, n]``: per-example clean validation NLL of every knob value and
+    temperature; ``shifted`` ``[V, T, m]`` (or ``None``): per-example NLL on shifted
+    validation inputs; ``reference`` ``[n]``: the starting network's clean NLL at its own
+    best temperature (start + temperature scaling).
+
+    Feasible: candidates whose clean NLL is within one paired standard error of the
+    reference, ``mean(c − r) ≤ sd(c − r)/sqrt(n)`` — the clean validation split cannot tell
+    them from the calibrated start. Among them the one with the lowest mean shifted NLL
+    (ties, and the case without a shift signal: the broadest value, ``prefer``, at its
+    lowest clean NLL). With no feasible candidate: the lowest mean clean NLL.
+    """
+    values, temps, n = clean.shape
+    diff = clean - reference.view(1, 1, -1)
+    mean = diff.mean(-1)
+    se = diff.std(-1) / math.sqrt(max(n, 1))
+    feasible = torch.isfinite(mean) & (mean <= torch.nan_to_num(se, nan=0.0))
+    clean_mean = torch.nan_to_num(clean.mean(-1), nan=math.inf)
+    if not torch.isfinite(clean_mean).any():
+        raise BayesifyError("every value of the validation grid gave a non-finite NLL")
+    if not feasible.any():
+        flat = int(clean_mean.argmin())
+        return flat // temps, flat % temps
+    order = list(range(values))
+    if grid is not None:  # broadest first
+        order.sort(key=lambda i: grid[i], reverse=(prefer == "largest"))
+    if shifted is None:
+        for v in order:
+            if feasible[v].any():
+                t = int(torch.where(feasible[v], clean_mean[v], math.inf).argmin())
+                return v, t
+    score = torch.where(feasible, torch.nan_to_num(shifted.mean(-1), nan=math.inf), math.inf)
+    best = float(score.min())
+    for v in order:  # the broadest value reaching the best shifted NLL (up to rounding)
+        row = score[v]
+        if float(row.min()) <= best + 1e-9:
+            return v, int(row.argmin())
+    flat = int(score.argmin())
+    return flat // temps, flat % temps

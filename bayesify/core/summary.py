@@ -57,7 +57,6 @@ def summarize(bnn: BayesianModel) -> str:
         rows.append((name, type(layer.base_layer).__name__, str(count) if count else "-",
                      f"{trainable + state}" + (f" ({state} state)" if state else "")))
     family_state = sum(b.numel() for b in bnn.state.buffers())
-    extra = sum(p.numel() for _, p in bnn.method.extra_posterior_parameters(bnn))
     base = sum(p.numel() for p in bnn.base_parameters())
     frozen = not any(p.requires_grad for p in bnn.base_parameters())
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
@@ -67,7 +66,7 @@ def summarize(bnn: BayesianModel) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.append(
         f"random {unit} per member: {bnn.num_nodes()}; posterior values: "
-        f"{total_trainable + extra} trainable + {total_state + family_state} state; base "
+        f"{total_trainable} trainable + {total_state + family_state} state; base "
         f"parameters: {base} ({'frozen' if frozen else 'trainable'})")
     if bnn.skipped:
         lines.append(f"skipped: {bnn.skipped}")

@@ -71,7 +71,11 @@ class TrainContext:
     data: TrainData | None = None
     train_loader: Iterable | None = None
     val_loader: Iterable | None = None
+    #: labelled inputs under the expected shift (the search's robustness signal)
+    shift_loader: Iterable | None = None
     batch_fn: BatchFn | None = None
+    #: whether the driver shows progress bars (the knob search's too)
+    show_progress: bool = False
     #: values steps logged for the current epoch's record
     logged: dict[str, Any] = field(default_factory=dict)
 
@@ -154,8 +158,17 @@ class TrainContext:
     def gradient_step(self, batch: Batch) -> dict[str, float] | None:
         return steps.train_step(self, batch)
 
+    def shift_batches(self) -> Iterator[Batch]:
+        """This rank's shard of the shift loader, one batch at a time, on the device."""
+        if self.shift_loader is None:
+            raise RuntimeError("fit got no shift loader")
+        return shard_batches(self.shift_loader, self.ctx, device=self.bnn.device,
+                             batch_fn=self.batch_fn)
+
     def tune(self, knobs: list[Knob]) -> dict[str, Any]:
-        return search_knobs(self.bnn, knobs, self.val_batches, self.ctx)
+        return search_knobs(self.bnn, knobs, self.val_batches, self.ctx,
+                            shift_batches=self.shift_batches if self.shift_loader is not None
+                            else None, progress=self.show_progress and self.is_main)
 
 
 #: the old name (callbacks and custom loops receive / build it)

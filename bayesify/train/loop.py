@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
+import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +67,9 @@ if TYPE_CHECKING:
 __all__ = ["FitResult", "TrainContext", "TrainState", "build_optimizer", "fit", "train_step"]
 
 
+logger = logging.getLogger("bayesify")
+
+
 @dataclass
 class FitResult:
     """What ``fit`` returns: one dict per epoch (loss, nll, kl, beta, lr, val_*)."""
@@ -83,6 +89,20 @@ class FitResult:
 
 
 #: fit options and their defaults (None: the family's default, else the fallback)
+#: the step budget of ``fit(epochs=None)``: whole epochs until this many optimiser steps
+#: (the environment variable ``BAYESIFY_MIN_STEPS`` overrides it, e.g. for quick tests)
+DEFAULT_MIN_STEPS = 300
+
+
+def default_min_steps() -> int:
+    """:data:`DEFAULT_MIN_STEPS`, or ``$BAYESIFY_MIN_STEPS`` when set (a positive integer)."""
+    value = os.environ.get("BAYESIFY_MIN_STEPS")
+    if value is None:
+        return DEFAULT_MIN_STEPS
+    if not value.isdigit() or int(value) < 1:
+        raise BayesifyError(f"BAYESIFY_MIN_STEPS must be a positive integer, got {value!r}")
+    return int(value)
+
 FIT_FALLBACKS = {"momentum": 0.9, "weight_decay": 0.0, "lr_schedule": "constant", "optimizer": "sgd"}
 
 
@@ -90,7 +110,8 @@ def fit(
     bnn: BayesianModel,
     train_loader: Iterable,
     *,
-    epochs: int = 1,
+    epochs: int | None = None,
+    min_steps: int | None = None,
     lr: float | None = None,
     base_lr: float = 0.0,
     kl_anneal_epochs: float = 0.0,
@@ -103,6 +124,7 @@ def fit(
     base_weight_decay: float = 0.0,
     n_train: int | None = None,
     val_loader: Iterable | None = None,
+    shift_loader: Iterable | None = None,
     batch_fn: BatchFn | None = None,
     device: str | torch.device | None = None,
     log_dir: str | Path | None = None,
@@ -126,6 +148,13 @@ def fit(
 ) -> FitResult:
     """Fit the posterior of ``bnn`` on ``train_loader`` (one epoch driver for every family).
 
+    ``epochs=None`` (the default) trains as many whole epochs as it takes to reach
+    ``min_steps`` optimiser steps (default :data:`DEFAULT_MIN_STEPS`, 300; at least one
+    epoch): a budget that trains the posterior
+    properly on 200 examples (7 steps per epoch at batch 32: 43 epochs) and costs one
+    epoch on ImageNet (5,000 steps at batch 256). Post-hoc families (Laplace) make one
+    pass whatever the budget.
+
     The family's step (``bnn.method.step()``) runs every batch. ELBO families: loss
     per step = mean NLL over the tiled batch + β(t)·KL/N_train,
     β(t) linear 0 → ``beta`` over ``kl_anneal_epochs`` (fixed when 0); SGD
@@ -134,6 +163,8 @@ def fit(
     snapshot ensembles) take SGD steps at the family's LR/momentum/weight decay and
     collect the iterates; Laplace makes one curvature pass. ``lr_schedule`` /
     ``base_lr_schedule``: see :func:`bayesify.train.schedules.lr_factor`.
+    ``shift_loader``: labelled inputs under the shift you expect; the validation search
+    then uses them as its robustness signal instead of the library's perturbations.
     ``val_loader``: validation metrics every ``val_every`` epochs and, for families
     with a predictive-scale knob, the validation-tuned choice of it at the end (the
     knob search, :mod:`bayesify.train.tuning`; ``bayesify.tune`` runs it on its own).
@@ -165,7 +196,7 @@ def fit(
              "beta": None if beta == 1.0 else beta, "optimizer": optimizer,
              "momentum": momentum, "weight_decay": weight_decay, "lr_schedule": lr_schedule,
              "grad_accum_steps": None if grad_accum_steps == 1 else grad_accum_steps,
-             "clip_grad_norm": clip_grad_norm, "epochs": None if epochs == 1 else epochs,
+             "clip_grad_norm": clip_grad_norm, "epochs": epochs,
              "compile": compile or None, "channels_last": channels_last or None,
              "checkpoint_every_steps": checkpoint_every_steps or None, "amp": amp}
     refused = [k for k in step.refused if given.get(k) is not None]
@@ -193,7 +224,8 @@ def fit(
             ctx=ctx, amp=(ctx.device.type == "cuda") if amp is None else bool(amp),
             channels_last=channels_last, grad_accum_steps=grad_accum_steps,
             clip_grad_norm=clip_grad_norm, family=step, train_loader=train_loader,
-            val_loader=val_loader, batch_fn=batch_fn,
+            val_loader=val_loader, shift_loader=shift_loader, batch_fn=batch_fn,
+            show_progress=progress,
         )
         if step.optimizes:
             options = _optimisation(state, train_loader, payload, lr=lr, base_lr=base_lr,
@@ -201,7 +233,8 @@ def fit(
                                     optimizer=optimizer, momentum=momentum,
                                     weight_decay=weight_decay,
                                     base_weight_decay=base_weight_decay, n_train=n_train,
-                                    seed=seed, checkpointing=checkpointing)
+                                    seed=seed, checkpointing=checkpointing,
+                                    min_steps=min_steps)
         else:  # a statistics pass: one epoch, eval mode, every example once over the ranks
             state.epochs, state.amp = 1, False
             state.data = TrainData(train_loader, ctx=ctx, seed=0, seeded=False, exact=True)
@@ -258,7 +291,7 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
                   lr: float, base_lr: float, lr_schedule: Any, base_lr_schedule: Any,
                   optimizer: str, momentum: float, weight_decay: float,
                   base_weight_decay: float, n_train: int | None, seed: int | None,
-                  checkpointing: bool) -> dict[str, Any]:
+                  checkpointing: bool, min_steps: int | None = None) -> dict[str, Any]:
     """Optimiser, schedules, seeded sharded data and noise stream of a gradient step;
     returns the fit options a checkpoint must match."""
     bnn, ctx = state.bnn, state.ctx
@@ -280,6 +313,9 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
         torch.manual_seed(rank_seed(seed, ctx.rank) % (2**31))
     state.data = TrainData(train_loader, ctx=ctx, seed=seed, seeded=seeded)
     state.steps_per_epoch = state.data.batches_per_epoch
+    if state.epochs is None:
+        budget = default_min_steps() if min_steps is None else min_steps
+        state.epochs = budget_epochs(state.steps_per_epoch, state.grad_accum_steps, budget)
     state.noise_generator = torch.Generator(device=ctx.device)
     state.noise_generator.manual_seed(rank_seed(seed, ctx.rank))
     if state.channels_last:
@@ -293,6 +329,15 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
         "grad_accum_steps": state.grad_accum_steps, "clip_grad_norm": state.clip_grad_norm,
     }
     return json.loads(json.dumps(options))
+
+
+def budget_epochs(batches_per_epoch: int, grad_accum_steps: int, min_steps: int) -> int:
+    """Whole epochs that reach ``min_steps`` optimiser steps (1 for a loader without a length)."""
+    if batches_per_epoch <= 0:
+        logger.info("the training loader has no length: fit(epochs=None) trains one epoch")
+        return 1
+    per_epoch = max(1, math.ceil(batches_per_epoch / max(grad_accum_steps, 1)))
+    return max(1, math.ceil(min_steps / per_epoch))
 
 
 def _forward(state: TrainContext, *, compile: bool | dict[str, Any],

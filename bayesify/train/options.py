@@ -147,7 +147,8 @@ def callback_list(name: str, value: Any) -> None:
 
 #: option name → rule; every rule raises TypeError/BayesifyError naming the option
 FIT_OPTION_RULES: dict[str, Callable[[str, Any], None]] = {
-    "epochs": count(1),
+    "epochs": optional(count(1)),
+    "min_steps": optional(count(1)),
     "lr": optional(positive),
     "base_lr": non_negative,
     "kl_anneal_epochs": non_negative,
@@ -175,6 +176,7 @@ FIT_OPTION_RULES: dict[str, Callable[[str, Any], None]] = {
     "callbacks": callback_list,
     "val_every": count(1),
     "val_samples_per_component": optional(count(1)),
+    "shift_loader": lambda name, value: None,  # any labelled loader (checked when read)
     "find_unused_parameters": flag,
     "timeout_s": optional(positive),
     "timeout": optional(positive),

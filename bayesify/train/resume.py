@@ -50,9 +50,15 @@ __all__ = ["Run", "check_schedule", "identity", "read_for_resume", "restore", "s
 
 
 def check_schedule(meta: dict[str, Any], state: TrainState, path: str | Path) -> None:
-    """Refuse to resume a run of another length (its schedules would not continue)."""
+    """Refuse to resume a run of another length (its schedules would not continue). A
+    finished statistics pass (one epoch, no optimiser: Laplace) has no schedule left to
+    continue: it resumes with any loader."""
     problems = []
-    for key, now in (("epochs", state.epochs), ("steps_per_epoch", state.steps_per_epoch)):
+    finished = (meta.get("epochs") is not None and meta.get("epoch") == meta.get("epochs")
+                and meta.get("global_step") == 0 and state.optimizer is None)
+    checked = (("epochs", state.epochs),) if finished else (
+        ("epochs", state.epochs), ("steps_per_epoch", state.steps_per_epoch))
+    for key, now in checked:
         saved = meta.get(key)
         if saved is not None and saved != now:
             problems.append(f"{key}: checkpoint {saved!r}, now {now!r}")

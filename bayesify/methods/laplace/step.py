@@ -43,6 +43,10 @@ class LaplaceStep(CurvatureStep):
     def __init__(self, config: LaplaceConfig) -> None:
         self.config = config
 
+    def ready(self, bnn: BayesianModel) -> bool:
+        """The posterior exists once ``fit`` has built it."""
+        return state.train_loss(bnn) is not None
+
     def begin(self, ctx: FitContext) -> None:
         if self.config.prior_method == "val_nll" and not ctx.validating:
             raise BayesifyError("prior_method='val_nll' needs fit(..., val_loader=...)")

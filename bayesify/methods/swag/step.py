@@ -6,7 +6,7 @@ predictor's members are recomputed from the fit context's share of the training 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +16,9 @@ from bayesify.kit.steps import SnapshotStep
 from bayesify.methods.swag import posterior as post
 from bayesify.methods.swag import state
 from bayesify.methods.swag.config import SWAGConfig
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
 
 
 def tunes_scale(config: SWAGConfig) -> bool:
@@ -34,6 +37,10 @@ class SWAGStep(SnapshotStep):
             refusal="SWAG collects the iterates of plain SGD (no KL term, no other optimiser)",
         )
         self.config = config
+
+    def ready(self, bnn: BayesianModel) -> bool:
+        """The posterior exists once ``fit`` has built it."""
+        return state.fitted(bnn)
 
     def begin(self, ctx: FitContext) -> None:
         """The snapshot period in optimiser steps; moments reset."""
