@@ -1,26 +1,26 @@
-"""Quality benchmark: every bayesify family vs the peer libraries on the digits protocol.
+"""Quality frontier: every bayesify family with its defaults against the network it starts
+from, temperature scaling, a 5-member deep ensemble and the peer libraries.
 
-Protocol (per seed): scikit-learn digits, classes 0–4 in distribution (stratified
-train/val/test split), classes 5–9 out of distribution; one "pretrained" DigitsCNN
-(``train_map``) that every method starts from. Rows:
+Protocol: ``benchmarks/protocols.py`` (noisy digits, a pretrained CNN at ≈ 96 %, 200
+fine-tuning images, 4 shifts the library never synthesises beside 3 it knows, near and far
+OOD). Rows:
 
-* ``map`` / ``map+ts`` (temperature by LBFGS on the validation NLL);
-* every registered bayesify family with its library defaults and the validation
-  split (``bayesify:NAME``: ``fit(bnn, train, val_loader=val)``, which tunes the
-  family's predictive-scale knob), plus a tuned iBNN row (``--ibnn-recipe``; the
-  recipe used is written out);
-* peers: ``laplace-torch`` (last-layer KFAC, marginal-likelihood prior precision,
-  probit GLM predictive), ``bayesian-torch`` (``dnn_to_bnn`` + MOPED, ELBO with the
-  KL *summed* / N_train, see ``peers.py``), ``mc-dropout`` and ``deep-ensemble×5``
-  (plain, independently trained DigitsCNNs).
+* ``map`` (the pretrained network), ``map+ts`` (its temperature by LBFGS on validation NLL);
+* ``deep-ensemble-x5``: 5 networks trained like the pretrained one (member 0 is it), their
+  training time counted in full;
+* every registered family, **defaults only**: ``fit(bnn, train, val_loader=val)``;
+* peers: ``laplace-torch`` (last-layer KFAC, marginal-likelihood prior, probit GLM),
+  ``bayesian-torch`` (``dnn_to_bnn`` + MOPED), ``mc-dropout``.
 
-Columns: accuracy, NLL, ECE, Brier, OOD AUROC (entropy; MI in the JSON), NLL and
-accuracy averaged over each corruption sweep, fit and predict seconds. Standard
-errors: bootstrap over test points (resampled indices shared by all rows of a seed,
-so differences are paired), combined over seeds as sqrt(Σ SE_s²)/S.
+Columns: accuracy, clean NLL / ECE, NLL under every shift (and their mean over the unseen
+and the seen kinds), OOD AUROC by predictive entropy (near and far pooled; MI in the JSON),
+fit and predict seconds. Standard errors: bootstrap over test points (shared indices, so
+differences between rows are paired), combined over seeds. A PNG draws the frontier
+(clean NLL against shift NLL, one point per row) and every family's validation search
+curve (clean against shifted validation NLL per knob value).
 
-    python benchmarks/quality.py --seeds 0 1 2          # full (see quality.md for timing)
-    python benchmarks/quality.py --quick                # 1 seed, short schedules
+    python benchmarks/quality.py --seeds 0 1 2 --jobs 2     # the recorded run
+    python benchmarks/quality.py --quick                    # 1 seed, fewer rows' epochs
 """
 
 from __future__ import annotations
@@ -41,37 +41,39 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quality_table import aggregate, write_markdown
+from protocols import SEEN, UNSEEN, Protocol, pretrained, protocol, shifts  # noqa: E402
+from quality_table import aggregate  # noqa: E402
 
-import bayesify
-from bayesify import metrics
-from bayesify.data.digits import digits_loaders, load_digits_splits
-from bayesify.data.models import DigitsCNN, train_map
-from bayesify.evaluation import peers
-from bayesify.evaluation.corruptions import DEFAULT_SWEEPS, corrupt
-from bayesify.predict.predictor import BasePredictor, ModelPredictor
+import bayesify  # noqa: E402
+from bayesify import metrics  # noqa: E402
+from bayesify.evaluation import peers  # noqa: E402
+from bayesify.predict.predictor import BasePredictor, ModelPredictor  # noqa: E402
 
-#: the tuned iBNN recipe of the benchmark (the demo recipe runs as 'bayesify:ibnn' too)
-IBNN_TUNED = json.dumps({
-    "options": {"components": 4, "samples": 2, "init_mean_std": 0.5, "prior_std": 0.3},
-    "fit": {"epochs": 30, "kl_anneal_epochs": 10},
-    "predictor": {"samples_per_component": 5},
-    "calibrate": True,
-})
-QUICK_SWEEPS = {"gaussian": (0.2, 0.4, 0.6), "salt_pepper": (0.1, 0.3), "rotation": (30.0, 60.0)}
+PEER_RECIPES: dict[str, dict[str, Any]] = {
+    "laplace-torch": {"subset_of_weights": "last_layer", "hessian_structure": "kron",
+                      "prior_precision": "marglik", "predictive": "glm + probit"},
+    "bayesian-torch": {"dnn_to_bnn": "Reparameterization", "moped_delta": 0.1, "prior": "N(0, 1)",
+                       "posterior_rho_init": -3.0, "kl": "sum over weights / N_train",
+                       "optimizer": "adam", "lr": 1e-3, "epochs": 40, "members": 16},
+    "mc-dropout": {"p": 0.1, "where": "before every Conv/Linear but the stem",
+                   "fine_tune": "all weights, adamw lr 1e-3", "epochs": 40, "members": 16},
+    "deep-ensemble-x5": {"members": 5, "training": "5 pretrained networks (seeds), member 0 "
+                         "= the starting network; all training time counted"},
+}
 
-
-# -- per-example statistics ------------------------------------------------------------------
 
 @torch.no_grad()
 def member_logits(predictor: BasePredictor, x: torch.Tensor, batch: int = 512) -> torch.Tensor:
-    """``[M, N, C]`` calibrated member logits over a tensor of inputs."""
-    outs = [predictor.member_logits(x[i:i + batch]) for i in range(0, x.shape[0], batch)]
-    return torch.cat(outs, dim=1).float() / predictor.temperature
+    """``[M, N, C]`` member logits at the predictor's temperature (Gaussian predictives:
+    the link is applied first, so the rows are log predictive probabilities)."""
+    outs = []
+    for i in range(0, x.shape[0], batch):
+        pred = predictor.predict(x[i:i + batch]).scaled(predictor.temperature)
+        outs.append(pred.member_logits if not pred.is_gaussian else pred.log_probs[None])
+    return torch.cat(outs, dim=1).float()
 
 
 def point_stats(logits: torch.Tensor, labels: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Per-example NLL, correctness, confidence, Brier, entropy and MI from ``[M, N, C]``."""
     log_probs = metrics.mixture_log_probs(logits)
     probs = log_probs.exp()
     entropy = metrics.entropy(probs)
@@ -84,268 +86,283 @@ def point_stats(logits: torch.Tensor, labels: torch.Tensor | None) -> dict[str, 
     return out
 
 
-def temperature_scale(predictor: BasePredictor, val_x: torch.Tensor, val_y: torch.Tensor,
-                      val_loader: Any) -> float:
-    """Fit the predictor's temperature on validation NLL (library ``calibrate`` if present)."""
-    if hasattr(predictor, "calibrate"):
-        predictor.calibrate(val_loader)
-        return float(predictor.temperature)
-    logits = member_logits(predictor, val_x) * predictor.temperature
-    log_t = torch.zeros((), requires_grad=True)
-    opt = torch.optim.LBFGS([log_t], lr=0.1, max_iter=100, line_search_fn="strong_wolfe")
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = metrics.per_example_nll(metrics.mixture_log_probs(logits / log_t.exp()), val_y).mean()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    predictor.temperature = float(log_t.exp())
-    return predictor.temperature
-
-
-# -- the candidates --------------------------------------------------------------------------
-
-def bayesify_builder(name: str, recipe: dict[str, Any]) -> Callable[..., BasePredictor]:
-    def build(base: torch.nn.Module, loaders: dict[str, Any], **_: Any) -> BasePredictor:
-        fit_kwargs = dict(recipe.get("fit", {}))
-        if isinstance(fit_kwargs.get("val_loader"), str):  # recipes name a split, e.g. "val"
-            fit_kwargs["val_loader"] = loaders[fit_kwargs["val_loader"]]
-        bnn = bayesify.bayesify(copy.deepcopy(base), name, **recipe.get("options", {}))
-        bayesify.fit(bnn, loaders["train"], progress=False, **fit_kwargs)
-        predictor = bnn.predictor(**recipe.get("predictor", {}))
-        if recipe.get("calibrate"):  # temperature on the validation NLL, part of the recipe
-            predictor.calibrate(loaders["val"])
-        return predictor
-
+# -- rows ---------------------------------------------------------------------------------------
+def family_row(name: str) -> Callable[..., tuple[BasePredictor, dict[str, Any]]]:
+    def build(base: torch.nn.Module, p: Protocol, loaders: dict[str, Any], **_: Any):
+        bnn = bayesify.bayesify(copy.deepcopy(base), name)
+        result = bayesify.fit(bnn, loaders["train"], val_loader=loaders["val"], progress=False)
+        return bnn.predictor(), {k: v for k, v in result.last.items()
+                                 if isinstance(v, (int, float, list, str, dict))}
     return build
 
 
-def _shorten(recipe: dict[str, Any], quick: bool) -> None:
-    if quick and "epochs" in recipe.get("fit", {}):
-        recipe["fit"]["epochs"] = max(2, recipe["fit"]["epochs"] // 3)
-        if "kl_anneal_epochs" in recipe["fit"]:
-            recipe["fit"]["kl_anneal_epochs"] = max(1, recipe["fit"]["kl_anneal_epochs"] // 3)
+def build_laplace_torch(base, p, loaders, **_):
+    la = peers.fit_laplace_torch(base, loaders["train"], prior="marglik")
+    return peers.LaplaceTorchPredictor(la), {}
 
 
-def candidates(args: argparse.Namespace) -> dict[str, tuple[str, Callable[..., BasePredictor], dict]]:
-    """``{row: (group, builder, recipe)}`` in table order."""
-    out: dict[str, tuple[str, Callable[..., BasePredictor], dict]] = {}
-    for name in bayesify.list_methods():
-        if args.methods and name not in args.methods:
-            continue
-        recipe: dict[str, Any] = {"options": {}, "fit": {"val_loader": "val"}}  # defaults
-        rows_for = [(name, recipe)]
-        if name == "ibnn" and args.ibnn_recipe:
-            rows_for.append(("ibnn-tuned", json.loads(args.ibnn_recipe)))
-        for row_name, recipe in rows_for:
-            _shorten(recipe, args.quick)
-            out[f"bayesify:{row_name}"] = ("bayesify", bayesify_builder(name, recipe), recipe)
-    for name, (builder, recipe) in PEERS.items():
-        if args.methods and name not in args.methods:
-            continue
-        out[name] = ("peer", builder, recipe)
-    return out
+def build_bayesian_torch(base, p, loaders, *, context, **_):
+    recipe = PEER_RECIPES["bayesian-torch"]
+    model = peers.to_bayesian_torch(base, moped_delta=recipe["moped_delta"],
+                                    posterior_rho_init=recipe["posterior_rho_init"])
+    peers.fit_bayesian_torch(model, loaders["train"], epochs=_epochs(recipe["epochs"], context),
+                             lr=recipe["lr"])
+    return peers.SampledModelPredictor(model, recipe["members"], seed=context["seed"]), {}
 
 
-# -- the peers (recipes are written into the results) -----------------------------------------
+def build_mc_dropout(base, p, loaders, *, context, **_):
+    recipe = PEER_RECIPES["mc-dropout"]
+    model = peers.insert_dropout(base, recipe["p"])
+    peers.fit_plain(model, loaders["train"], epochs=_epochs(recipe["epochs"], context))
+    return peers.SampledModelPredictor(model, recipe["members"], seed=context["seed"],
+                                       stochastic=(torch.nn.Dropout,)), {}
 
-PEER_RECIPES: dict[str, dict[str, Any]] = {
-    "laplace-torch": {"subset_of_weights": "last_layer", "hessian_structure": "kron",
-                      "prior_precision": "marglik", "predictive": "glm + probit"},
-    "bayesian-torch": {"dnn_to_bnn": "Reparameterization", "moped_delta": 0.1, "prior": "N(0, 1)",
-                       "posterior_rho_init": -3.0, "kl": "sum over weights / N_train",
-                       "optimizer": "adam", "lr": 1e-3, "epochs": 20, "members": 16},
-    "mc-dropout": {"p": 0.1, "where": "before every Conv/Linear but the stem",
-                   "fine_tune": "all weights, adamw lr 1e-3", "epochs": 10, "members": 16},
-    "deep-ensemble-x5": {"members": 5, "training": "train_map from scratch, member 0 = the MAP net"},
-}
+
+def build_deep_ensemble(base, p, loaders, *, context, **_):
+    members = [base] + [pretrained(p, context["seed"], i, epochs=context["map_epochs"])
+                        for i in range(1, PEER_RECIPES["deep-ensemble-x5"]["members"])]
+    return ModelPredictor(members), {}
+
+
+PEERS = {"laplace-torch": build_laplace_torch, "bayesian-torch": build_bayesian_torch,
+         "mc-dropout": build_mc_dropout, "deep-ensemble-x5": build_deep_ensemble}
 
 
 def _epochs(n: int, context: dict[str, Any]) -> int:
     return max(2, n // 3) if context["quick"] else n
 
 
-def build_laplace_torch(base: torch.nn.Module, loaders: dict[str, Any], *,
-                        context: dict[str, Any]) -> BasePredictor:
-    la = peers.fit_laplace_torch(base, loaders["train"], prior="marglik")
-    return peers.LaplaceTorchPredictor(la)
+def candidates(args: argparse.Namespace) -> dict[str, tuple[str, Callable[..., Any], Any]]:
+    out: dict[str, tuple[str, Callable[..., Any], Any]] = {}
+    for name in bayesify.list_methods():
+        if not args.methods or name in args.methods:
+            out[f"bayesify:{name}"] = ("bayesify", family_row(name), "library defaults + val_loader")
+    for name, build in PEERS.items():
+        if not args.methods or name in args.methods:
+            out[name] = ("peer", build, PEER_RECIPES[name])
+    return out
 
 
-def build_bayesian_torch(base: torch.nn.Module, loaders: dict[str, Any], *,
-                         context: dict[str, Any]) -> BasePredictor:
-    recipe = PEER_RECIPES["bayesian-torch"]
-    model = peers.to_bayesian_torch(base, moped_delta=recipe["moped_delta"],
-                                    posterior_rho_init=recipe["posterior_rho_init"])
-    context.setdefault("notes", {})["bayesian-torch kl"] = peers.kl_scaling_note(model)
-    peers.fit_bayesian_torch(model, loaders["train"], epochs=_epochs(recipe["epochs"], context),
-                             lr=recipe["lr"])
-    return peers.SampledModelPredictor(model, recipe["members"], seed=context["seed"])
+def temperature_scale(model: torch.nn.Module, p: Protocol) -> ModelPredictor:
+    """MAP + temperature: LBFGS on log T of the validation NLL."""
+    vx, vy = p.val.tensors
+    with torch.no_grad():
+        logits = model(vx)
+    log_t = torch.zeros((), requires_grad=True)
+    opt = torch.optim.LBFGS([log_t], lr=0.1, max_iter=100, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(logits / log_t.exp(), vy)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return ModelPredictor(model, temperature=float(log_t.exp()))
 
 
-def build_mc_dropout(base: torch.nn.Module, loaders: dict[str, Any], *,
-                     context: dict[str, Any]) -> BasePredictor:
-    recipe = PEER_RECIPES["mc-dropout"]
-    model = peers.insert_dropout(base, recipe["p"])
-    peers.fit_plain(model, loaders["train"], epochs=_epochs(recipe["epochs"], context))
-    return peers.SampledModelPredictor(model, recipe["members"], seed=context["seed"],
-                                       stochastic=(torch.nn.Dropout,))
-
-
-def build_deep_ensemble(base: torch.nn.Module, loaders: dict[str, Any], *,
-                        context: dict[str, Any]) -> BasePredictor:
-    splits, seed = context["splits"], context["seed"]
-    models = [base]
-    for i in range(1, PEER_RECIPES["deep-ensemble-x5"]["members"]):
-        member_loader = digits_loaders(splits, batch_size=64, seed=1000 * seed + i)["train"]
-        models.append(train_map(DigitsCNN(splits.num_classes), member_loader,
-                                epochs=context["map_epochs"], seed=1000 * seed + i))
-    return ModelPredictor(models)
-
-
-PEERS: dict[str, tuple[Callable[..., BasePredictor], dict[str, Any]]] = {
-    "laplace-torch": (build_laplace_torch, PEER_RECIPES["laplace-torch"]),
-    "bayesian-torch": (build_bayesian_torch, PEER_RECIPES["bayesian-torch"]),
-    "mc-dropout": (build_mc_dropout, PEER_RECIPES["mc-dropout"]),
-    "deep-ensemble-x5": (build_deep_ensemble, PEER_RECIPES["deep-ensemble-x5"]),
-}
-
-
-# -- one seed --------------------------------------------------------------------------------
-
+# -- one seed ---------------------------------------------------------------------------------
 def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(seed)
-    splits = load_digits_splits(seed=seed)
-    loaders = digits_loaders(splits, batch_size=64, seed=seed)
-    test_x, test_y = splits.test.tensors
-    val_x, val_y = splits.val.tensors
-    ood_x = splits.ood.tensors[0]
-    sweeps = QUICK_SWEEPS if args.quick else DEFAULT_SWEEPS
-    corrupted = {kind: [corrupt(test_x, kind, level, seed=seed) for level in levels]
-                 for kind, levels in sweeps.items()}
-    map_epochs = args.map_epochs // 3 if args.quick else args.map_epochs
-
-    start, cpu = time.perf_counter(), time.process_time()
-    base = train_map(DigitsCNN(splits.num_classes), loaders["train"], epochs=map_epochs, seed=seed)
-    map_fit = (time.perf_counter() - start, time.process_time() - cpu)
-    context = {"seed": seed, "map_epochs": map_epochs, "map_fit_seconds": map_fit[0],
-               "splits": splits, "quick": args.quick}
-
+    p = protocol(seed)
+    tx, ty = p.test.tensors
+    shifted = shifts(tx, seed)
+    ood = torch.cat([p.ood_near, p.ood_far])
+    map_epochs = 20 if args.quick else 60
+    start = time.perf_counter()
+    base = pretrained(p, seed, 0, epochs=map_epochs)
+    map_s = time.perf_counter() - start
+    context = {"seed": seed, "quick": args.quick, "map_epochs": map_epochs}
     rows: dict[str, Any] = {}
 
-    def score(name: str, group: str, predictor: BasePredictor, fit_s: tuple[float, float],
-              recipe: dict) -> None:
+    def score(name: str, group: str, predictor: BasePredictor, fit_s: float, recipe: Any,
+              record: dict[str, Any] | None = None) -> None:
         start = time.perf_counter()
-        test_logits = member_logits(predictor, test_x)
+        logits = member_logits(predictor, tx)
         predict_s = time.perf_counter() - start
-        entry: dict[str, Any] = {
-            "group": group, "recipe": recipe, "members": int(test_logits.shape[0]),
-            "temperature": float(predictor.temperature), "fit_seconds": fit_s[0],
-            "fit_cpu_seconds": fit_s[1], "predict_seconds": predict_s,
-            "test": point_stats(test_logits, test_y),
-            "ood": point_stats(member_logits(predictor, ood_x), None),
-            "sweeps": {},
-        }
-        for kind, xs in corrupted.items():
-            per_level = [point_stats(member_logits(predictor, xc), test_y) for xc in xs]
-            entry["sweeps"][kind] = {
-                "nll": torch.stack([s["nll"] for s in per_level]).mean(0),
-                "correct": torch.stack([s["correct"] for s in per_level]).mean(0),
-                "entropy_by_level": [s["entropy"].mean().item() for s in per_level],
-                "epistemic_by_level": [s["epistemic"].mean().item() for s in per_level],
-            }
+        entry = {"group": group, "recipe": recipe, "members": int(logits.shape[0]),
+                 "temperature": float(predictor.temperature), "fit_seconds": fit_s,
+                 "fit_cpu_seconds": fit_s, "predict_seconds": predict_s,
+                 "test": point_stats(logits, ty), "ood": point_stats(member_logits(predictor, ood), None),
+                 "sweeps": {}, "search": record or {}}
+        for kind, xs in shifted.items():
+            s = point_stats(member_logits(predictor, xs), ty)
+            entry["sweeps"][kind] = {"nll": s["nll"], "correct": s["correct"],
+                                     "entropy_by_level": [s["entropy"].mean().item()],
+                                     "epistemic_by_level": [s["epistemic"].mean().item()]}
         rows[name] = entry
-        print(f"  seed {seed} {name:28s} acc {entry['test']['correct'].mean():.4f} "
-              f"nll {entry['test']['nll'].mean():.4f} fit {fit_s[0]:.1f}s", flush=True)
+        print(f"  seed {seed} {name:26s} acc {entry['test']['correct'].mean():.4f} nll "
+              f"{entry['test']['nll'].mean():.4f} shift "
+              f"{torch.stack([v['nll'] for v in entry['sweeps'].values()]).mean():.3f} "
+              f"fit {fit_s:.1f}s", flush=True)
 
-    score("map", "baseline", ModelPredictor(base), map_fit, {"epochs": map_epochs})
-    start, cpu = time.perf_counter(), time.process_time()
-    ts = ModelPredictor(copy.deepcopy(base))
-    temperature_scale(ts, val_x, val_y, loaders["val"])
-    score("map+ts", "baseline", ts,
-          (map_fit[0] + time.perf_counter() - start, map_fit[1] + time.process_time() - cpu),
-          {"temperature": "LBFGS on validation NLL"})
+    score("map", "baseline", ModelPredictor(base), map_s, {"epochs": map_epochs})
+    start = time.perf_counter()
+    ts = temperature_scale(base, p)
+    score("map+ts", "baseline", ts, map_s + time.perf_counter() - start, "LBFGS on val NLL")
     for name, (group, build, recipe) in candidates(args).items():
         torch.manual_seed(seed)
-        fresh = digits_loaders(splits, batch_size=64, seed=seed)  # same shuffles for every row
-        start, cpu = time.perf_counter(), time.process_time()
+        loaders = p.loaders(seed)
+        start = time.perf_counter()
         try:
-            predictor = build(base, fresh, context=context)
-        except Exception as err:  # noqa: BLE001 - a broken family must not stop the run
+            predictor, record = build(copy.deepcopy(base), p, loaders, context=context)
+        except Exception as err:  # noqa: BLE001 - a broken row must not stop the run
             traceback.print_exc()
             rows[name] = {"group": group, "recipe": recipe, "error": f"{type(err).__name__}: {err}"}
             continue
-        fit_s = (time.perf_counter() - start, time.process_time() - cpu)
-        if name == "deep-ensemble-x5":  # member 0 is the MAP net: its training counts too
-            fit_s = (fit_s[0] + map_fit[0], fit_s[1] + map_fit[1])
-        score(name, group, predictor, fit_s, recipe)
-    return {"seed": seed, "rows": rows, "notes": context.get("notes", {}), "sweeps": {k: list(v) for k, v in sweeps.items()},
-            "n_test": int(test_y.numel()), "n_ood": int(ood_x.shape[0])}
+        fit_s = time.perf_counter() - start + (map_s if name == "deep-ensemble-x5" else 0.0)
+        score(name, group, predictor, fit_s, recipe, record)
+    return {"seed": seed, "rows": rows, "sweeps": {k: [1] for k in shifted},
+            "n_test": int(ty.numel()), "n_ood": int(ood.shape[0]), "notes": {},
+            "map_seconds": map_s}
 
 
 def _run_seed_job(job: tuple[int, argparse.Namespace]) -> dict[str, Any]:
     seed, args = job
     torch.set_num_threads(args.threads)
-    print(f"seed {seed}", flush=True)
-    cpu = time.process_time()
     out = run_seed(seed, args)
-    out["cpu_seconds"] = time.process_time() - cpu
+    for entry in out["rows"].values():  # searches are not tensors: keep them beside
+        entry.setdefault("search", {})
     return out
 
 
+# -- tables and the frontier --------------------------------------------------------------------
+def markdown(summary: dict[str, Any]) -> str:
+    rows, meta = summary["rows"], summary["meta"]
+    ref = rows["map"]["metrics"]
+    lines = ["# Quality frontier: every family's defaults on a held-out-style protocol", "",
+             f"Command: `{meta['command']}`  ",
+             f"Seeds {meta['seeds']}; bootstrap resamples {meta['bootstrap']}; torch "
+             f"{meta['torch']}; peers {meta['peers']}; {meta['machine']}, {meta['date']}; "
+             f"wall time {meta['wall_seconds']:.0f} s.", "",
+             "Protocol: `benchmarks/protocols.py` (noisy digits, classes 0–7, pretrained CNN, "
+             "200 fine-tuning images; shifts *unseen* by the library: blur, contrast, translate, "
+             "occlude; *seen*: gaussian, salt-and-pepper, rotation; OOD: digits 8–9 + photo "
+             "patches). Mean over seeds ± bootstrap SE. `shift ratio` = unseen-shift NLL / the "
+             "starting network's.", "",
+             "| row | M | acc | clean NLL | ECE | unseen-shift NLL | shift ratio | seen-shift NLL "
+             "| OOD AUROC (H) | OOD AUROC (MI) | T | fit s | predict s |",
+             "|" + "---|" * 13]
+    base_unseen = _mean_of(ref, UNSEEN)
+    for name, row in rows.items():
+        m = row["metrics"]
+        if not m:
+            lines.append(f"| {name} | failed: {'; '.join(row['errors'])[:160]} |")
+            continue
+        unseen, seen = _mean_of(m, UNSEEN), _mean_of(m, SEEN)
+        mi = m.get("ood_auroc_mi", {}).get("value")
+        lines.append(
+            f"| {name} | {row['members']} | {m['accuracy']['value']:.3f} | "
+            f"{m['nll']['value']:.3f} ± {m['nll']['se']:.3f} | {m['ece']['value']:.3f} | "
+            f"{unseen:.3f} | {unseen / base_unseen:.2f} | {seen:.3f} | "
+            f"{m['ood_auroc']['value']:.3f} | {'n/a' if mi is None else f'{mi:.3f}'} | "
+            f"{row['temperature']:.2f} | {row['fit_seconds']:.1f} | {row['predict_seconds']:.3f} |")
+    lines += ["", "NLL under every shift:", "",
+              "| row | " + " | ".join(UNSEEN + SEEN) + " |", "|" + "---|" * (1 + len(UNSEEN + SEEN))]
+    for name, row in rows.items():
+        if row["metrics"]:
+            lines.append(f"| {name} | " + " | ".join(
+                f"{row['metrics'][f'{k}_nll']['value']:.3f}" for k in UNSEEN + SEEN) + " |")
+    lines += ["", "Choices of the validation search (seed 0): knob, temperature, shift signal:", ""]
+    for name, search in summary.get("searches", {}).items():
+        keys = {k: v for k, v in search.items() if not isinstance(v, list)
+                and not k.startswith(("loss", "nll", "kl", "beta", "lr", "seconds", "images",
+                                      "world", "steps", "epoch", "val_", "start_val_"))}
+        lines.append(f"- `{name}`: {json.dumps(keys, default=str)[:300]}")
+    return "\n".join(lines) + "\n"
+
+
+def _mean_of(m: dict[str, Any], kinds: tuple[str, ...]) -> float:
+    return sum(m[f"{k}_nll"]["value"] for k in kinds) / len(kinds)
+
+
+def frontier_png(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.5))
+    for name, row in rows.items():
+        if not row["metrics"]:
+            continue
+        m = row["metrics"]
+        x, y = m["nll"]["value"], _mean_of(m, UNSEEN)
+        style = {"baseline": ("k", "s"), "peer": ("tab:red", "^")}.get(row["group"], ("tab:blue", "o"))
+        ax.scatter(x, y, c=style[0], marker=style[1], s=40)
+        ax.annotate(name.replace("bayesify:", ""), (x, y), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.set_xlabel("clean test NLL")
+    ax.set_ylabel("NLL under unseen shifts (mean of 4 kinds)")
+    ax.set_title("frontier (lower-left is better); squares: MAP, MAP+TS")
+    for name, search in summary.get("searches", {}).items():
+        knob = next((k for k in search if f"{k}_grid" in search and f"{k}_shift_nll" in search),
+                    None)
+        if knob is None:
+            continue
+        xs, ys = search[f"{knob}_val_nll"], search[f"{knob}_shift_nll"]
+        bx.plot(xs, ys, "-o", ms=3, label=f"{name.replace('bayesify:', '')} ({knob})")
+        chosen = search[f"{knob}_grid"].index(search[knob])
+        bx.scatter([xs[chosen]], [ys[chosen]], s=60, facecolors="none", edgecolors="k")
+    bx.set_xlabel("clean validation NLL (at the chosen temperature)")
+    bx.set_ylabel("shifted validation NLL")
+    bx.set_title("validation search curves, seed 0 (circle: chosen)")
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
-                        help="seeds (data split, MAP net, posteriors); default 0 1 2 (quick: 0)")
-    parser.add_argument("--quick", action="store_true",
-                        help="short schedules, fewer sweep levels and bootstrap resamples")
+                        help="seeds (data split, pretrained net, posteriors); default 0 1 2")
+    parser.add_argument("--quick", action="store_true", help="1 seed, shorter peer training")
     parser.add_argument("--methods", nargs="*", default=None,
                         help="restrict to these bayesify families / peers (default: all)")
-    parser.add_argument("--map-epochs", type=int, default=40)
-    parser.add_argument("--bootstrap", type=int, default=None, help="resamples (default 200)")
-    parser.add_argument("--ibnn-recipe", default=IBNN_TUNED,
-                        help="JSON recipe of the extra 'bayesify:ibnn-tuned' row ('' for none)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    parser.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--jobs", type=int, default=1, help="seeds run in parallel processes")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
-    boots = args.bootstrap or (50 if args.quick else 200)
-
     wall = time.perf_counter()
-    if args.jobs > 1:  # one process per seed, each with --threads torch threads
+    jobs = [(seed, args) for seed in seeds]
+    if args.jobs > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            per_seed = list(pool.map(_run_seed_job, [(seed, args) for seed in seeds]))
-        cpu_children = sum(run.pop("cpu_seconds") for run in per_seed)
+            per_seed = list(pool.map(_run_seed_job, jobs))
     else:
-        per_seed = [_run_seed_job((seed, args)) for seed in seeds]
-        cpu_children = sum(run.pop("cpu_seconds") for run in per_seed)
-    summary = aggregate(per_seed, num_boot=boots)
+        per_seed = [_run_seed_job(job) for job in jobs]
+    searches = {name: entry.get("search", {}) for name, entry in per_seed[0]["rows"].items()
+                if entry.get("search")}
+    summary = aggregate(per_seed, num_boot=args.bootstrap)
+    summary["searches"] = searches
     summary["meta"] = {
         "command": "python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "seeds": seeds, "quick": args.quick, "bootstrap": boots, "threads": args.threads,
-        "wall_seconds": time.perf_counter() - wall, "cpu_seconds": cpu_children, "jobs": args.jobs,
-        "machine": f"{platform.machine()} {platform.processor() or ''} "
-                   f"{torch.get_num_threads()} torch threads".strip(),
-        "torch": torch.__version__, "peers": _peer_versions(),
-        "date": time.strftime("%Y-%m-%d"),
+        "seeds": seeds, "bootstrap": args.bootstrap, "threads": args.threads,
+        "wall_seconds": time.perf_counter() - wall, "torch": torch.__version__,
+        "peers": _peer_versions(), "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {torch.get_num_threads()} torch thread(s)",
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "quality_quick" if args.quick else "quality"
     (out / f"{name}.json").write_text(json.dumps(summary, indent=1, default=_jsonable))
-    (out / f"{name}.md").write_text(write_markdown(summary))
+    (out / f"{name}.md").write_text(markdown(summary))
+    frontier_png(summary, out / f"{name}_frontier.png")
     print((out / f"{name}.md").read_text())
 
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
     return str(value)
 
 

@@ -13,7 +13,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from bayesify import BayesifyError, bayesify, fit, load_posterior
 from bayesify.methods.swag import posterior as swag_posterior
 from bayesify.methods.swag import state as swag_state
-from bayesify.train.evaluate import per_example_stats
 
 
 def mlp() -> nn.Module:
@@ -167,39 +166,60 @@ def test_errors_are_explicit():
         fit(bayesify(mlp(), "swag"), data((4,)), progress=False, bogus=1)
 
 
-def test_scale_chosen_on_validation_matches_brute_force_and_round_trips(tmp_path):
-    loader, val = data((4,)), data((4,), n=24, batch=5)
-    grid = (0.1, 100.0, 4)
-    chosen = {}
-    for rule in ("min", "one_se"):
-        bnn = bayesify(mlp(), "swag", max_rank=4, snapshot_every_steps=2, lr=0.05, predict_samples=6,
-                       scale_method="val_nll", scale_grid=grid, val_rule=rule)
-        info = fit(bnn, loader, epochs=2, progress=False, val_loader=val)
-        chosen[rule] = bnn.method.scale(bnn)
-        assert info.history[-1]["scale"] == chosen[rule]
-    # brute force: the predictive of seed 0 at every grid scale, through the public predictor
-    nll = []
-    for scale in torch.logspace(-1, 2, 4, dtype=torch.float64).tolist():
+def _brute_force_nll(bnn, loader, scales) -> torch.Tensor:
+    """``[V, T, n]`` per-example NLL of the public predictor at every scale and temperature."""
+    from bayesify.train.tuning import TEMPERATURES
+
+    out = []
+    x, y = loader.dataset.tensors
+    for scale in scales:
         bnn.state.set("swag_scale", scale)
         swag_state.forget_batchnorm(bnn)
-        nll.append(per_example_stats(bnn.predictor(seed=0), val, device=bnn.device)["nll"].double())
-    means = torch.stack([v.mean() for v in nll])
-    best = int(means.argmin())
-    grid_values = torch.logspace(-1, 2, 4, dtype=torch.float64)
-    assert chosen["min"] == pytest.approx(float(grid_values[best]))
-    se = nll[best].std() / math.sqrt(nll[best].numel())
-    # ... and never above the starting network's validation NLL (the defaults' contract)
-    base = nn.functional.cross_entropy(mlp()(val.dataset.tensors[0]), val.dataset.tensors[1])
-    allowed = (means <= means[best] + se + 1e-9) & (means <= base.double() + 1e-9)
-    allowed[best] = True
-    inside = torch.nonzero(allowed).flatten()
-    assert chosen["one_se"] == pytest.approx(float(grid_values[int(inside[-1])]))
-    assert chosen["one_se"] >= chosen["min"]
+        pred = bnn.predictor(seed=0, temperature=1.0).predict(x)
+        out.append(torch.stack([pred.scaled(t).nll(y).double() for t in TEMPERATURES]))
+    return torch.stack(out)
+
+
+def test_scale_chosen_on_validation_matches_brute_force_and_round_trips(tmp_path):
+    """Both rules of the joint (scale, temperature) search against a brute force over the
+    public predictor: 'min' — the lowest clean validation NLL; 'shift' — the lowest NLL on
+    the shift loader among pairs within one paired SE of the calibrated start."""
+    from bayesify.core.selection import choose_joint
+    from bayesify.train.tuning import TEMPERATURES
+
+    loader, val = data((4,)), data((4,), n=24, batch=24)
+    shifted = DataLoader(TensorDataset(3.0 * val.dataset.tensors[0], val.dataset.tensors[1]),
+                         batch_size=24)
+    grid = (0.1, 100.0, 4)
+    scales = torch.logspace(-1, 2, 4, dtype=torch.float64).tolist()
+    chosen, temps = {}, {}
+    for rule in ("min", "shift"):
+        bnn = bayesify(mlp(), "swag", max_rank=4, snapshot_every_steps=2, lr=0.05, predict_samples=6,
+                       scale_method="val_nll", scale_grid=grid, val_rule=rule)
+        info = fit(bnn, loader, epochs=2, progress=False, val_loader=val, shift_loader=shifted)
+        chosen[rule], temps[rule] = bnn.method.scale(bnn), bnn.state.value("temperature")
+        assert info.history[-1]["scale"] == chosen[rule]
+        assert info.history[-1]["temperature"] == pytest.approx(temps[rule])
+    clean, shift = _brute_force_nll(bnn, val, scales), _brute_force_nll(bnn, shifted, scales)
+    flat = int(clean.mean(-1).argmin())
+    assert chosen["min"] == pytest.approx(scales[flat // len(TEMPERATURES)])
+    assert temps["min"] == pytest.approx(TEMPERATURES[flat % len(TEMPERATURES)])
+    x, y = val.dataset.tensors
+    logits = mlp()(x).detach().double()
+    base = torch.stack([nn.functional.cross_entropy(logits / t, y, reduction="none")
+                        for t in TEMPERATURES])
+    reference = base[int(base.mean(1).argmin())]
+    v, t = choose_joint(clean, shift, reference, prefer="largest", grid=scales)
+    assert chosen["shift"] == pytest.approx(scales[v])
+    assert temps["shift"] == pytest.approx(TEMPERATURES[t])
+    # the shift rule is never clearly worse than the calibrated start on clean data
+    diff = clean[v, t] - reference
+    assert diff.mean() <= diff.std() / math.sqrt(diff.numel()) + 1e-12
     # the chosen scale travels with the saved posterior
-    bnn.state.set("swag_scale", chosen["one_se"])
+    bnn.state.set("swag_scale", chosen["shift"])
     bnn.save_posterior(tmp_path)
     fresh = load_posterior(mlp(), tmp_path)
-    assert fresh.method.scale(fresh) == pytest.approx(chosen["one_se"])
+    assert fresh.method.scale(fresh) == pytest.approx(chosen["shift"])
     with pytest.raises(BayesifyError, match="val_loader"):
         fit(bayesify(mlp(), "swag", scale_method="val_nll", snapshot_every_steps=1), loader,
             progress=False)

@@ -45,9 +45,11 @@ class Knob:
     ``name``: the ``bnn.state`` / record name; ``grid``: the values searched (a family
     declares its own); ``meaning``: what the value does, in words; ``set``: installs a
     value; ``prefer``: ``"largest"`` or ``"smallest"`` — the grid end that is the
-    broadest posterior, which the selection rule (:func:`bayesify.core.selection.choose`)
-    favours among values the validation split cannot tell apart; ``rule``: ``"one_se"``
-    or ``"min"``; ``initial``: installed by ``fit`` before the first step (``None``:
+    broadest posterior, which the selection rule (:func:`bayesify.core.selection.choose_joint`)
+    favours among equally good values; ``rule``: ``"shift"`` (the default: the lowest NLL on
+    shifted validation inputs among values the clean split cannot tell from the calibrated
+    starting network) or ``"min"`` (the lowest clean validation NLL) — chosen jointly with
+    the temperature either way; ``initial``: installed by ``fit`` before the first step (``None``:
     left as it is); ``settle``: called once after the chosen value is installed,
     returning extra record entries (e.g. statistics that depend on the value).
     """
@@ -57,7 +59,7 @@ class Knob:
     meaning: str
     set: Callable[[float], None]
     prefer: str = "largest"
-    rule: str = "one_se"
+    rule: str = "shift"
     initial: float | None = None
     settle: Callable[[], dict[str, Any]] | None = None
 

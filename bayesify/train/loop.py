@@ -196,7 +196,7 @@ def fit(
              "beta": None if beta == 1.0 else beta, "optimizer": optimizer,
              "momentum": momentum, "weight_decay": weight_decay, "lr_schedule": lr_schedule,
              "grad_accum_steps": None if grad_accum_steps == 1 else grad_accum_steps,
-             "clip_grad_norm": clip_grad_norm, "epochs": epochs,
+             "clip_grad_norm": clip_grad_norm, "epochs": None if epochs in (None, 1) else epochs,
              "compile": compile or None, "channels_last": channels_last or None,
              "checkpoint_every_steps": checkpoint_every_steps or None, "amp": amp}
     refused = [k for k in step.refused if given.get(k) is not None]
@@ -265,8 +265,8 @@ def fit(
                 is_last = state.epoch + 1 == state.epochs
                 if is_last:
                     record.update(step.end(state))
-                if val_loader is not None:
-                    record.update(state.tune(method.knobs(bnn)))
+                    if val_loader is not None:
+                        record.update(state.tune(method.knobs(bnn)))
             if val_loader is not None and ((state.epoch + 1) % max(val_every, 1) == 0 or is_last):
                 metrics = evaluation.evaluate_sharded(bnn, val_loader, ctx,
                                            samples_per_component=val_samples_per_component,

@@ -173,9 +173,13 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                 one = TEMPERATURES.index(1.0)
                 clean_t, shifted_t = clean_t[:, one:one + 1], (
                     None if shifted_t is None else shifted_t[:, one:one + 1])
-            v, t = choose_joint(clean_t, shifted_t, reference,
-                                prefer=knob.prefer if knob is not None else "largest",
-                                grid=values if knob is not None else None)
+            if knob is not None and knob.rule == "min":  # the lowest clean NLL, nothing else
+                flat = int(clean_t.mean(-1).argmin())
+                v, t = flat // clean_t.shape[1], flat % clean_t.shape[1]
+            else:
+                v, t = choose_joint(clean_t, shifted_t, reference,
+                                    prefer=knob.prefer if knob is not None else "largest",
+                                    grid=values if knob is not None else None)
             chosen_t = TEMPERATURES[t] if temperature else 1.0
             if knob is not None:
                 knob.set(values[v])

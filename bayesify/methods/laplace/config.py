@@ -34,12 +34,13 @@ class LaplaceConfig(MethodConfig):
     marglik_steps: int = option(100, "Adam steps on log τ.")
     marglik_lr: float = option(0.1, "Adam learning rate on log τ.")
     val_grid: tuple[float, float, int] = option(
-        (1e-4, 1e4, 41), "(low, high, count): log-spaced τ grid of prior_method='val_nll'."
+        (1e-4, 1e4, 17), "(low, high, count): log-spaced τ grid of prior_method='val_nll'."
     )
     val_rule: str = option(
-        "one_se", "val_nll choice: 'min' (lowest validation NLL) or 'one_se' (the broadest "
-        "posterior, i.e. smallest τ, whose validation NLL is within one standard error of the "
-        "lowest — the one-standard-error rule)."
+        "shift", "How the validation search chooses τ (with the temperature): 'shift' (the "
+        "lowest NLL on shifted validation inputs among choices the clean split cannot tell "
+        "from the calibrated starting network; see bayesify.train.tuning) or 'min' (the "
+        "lowest clean validation NLL)."
     )
     link: str = option(
         "probit", "Predictive link of the linearised (GLM) predictive: 'probit' "
@@ -66,8 +67,8 @@ class LaplaceConfig(MethodConfig):
     def validate(self) -> None:
         require(self.structure in STRUCTURES,
                 f"structure must be one of {STRUCTURES}, got {self.structure!r}")
-        require(self.val_rule in ("min", "one_se"),
-                f"val_rule must be 'min' or 'one_se', got {self.val_rule!r}")
+        require(self.val_rule in ("shift", "min"),
+                f"val_rule must be 'shift' or 'min', got {self.val_rule!r}")
         require(self.link in LINKS, f"link must be one of {LINKS}, got {self.link!r}")
         require(self.prior_method in PRIOR_METHODS,
                 f"prior_method must be one of {PRIOR_METHODS}, got {self.prior_method!r}")

@@ -27,13 +27,14 @@ class SWAGConfig(MethodConfig):
         "predictive on fit(val_loader=...) (rule: val_rule)."
     )
     scale_grid: tuple[float, float, int] = option(
-        (0.1, 1e4, 16), "(low, high, count): log-spaced scale grid of scale_method='val_nll' "
-        "(wide: SGD from a pretrained optimum moves little, so useful scales reach 10²–10³)."
+        (0.1, 1e4, 9), "(low, high, count): log-spaced scale grid of scale_method='val_nll' "
+        "(wide: SGD from a pretrained optimum moves little, so useful scales reach 10²–10³; 9 values: each costs a BatchNorm pass per member)."
     )
     val_rule: str = option(
-        "one_se", "val_nll choice: 'min' (lowest validation NLL) or 'one_se' (the broadest "
-        "posterior, i.e. largest scale, whose validation NLL is within one standard error of "
-        "the lowest — the one-standard-error rule, as in the Laplace family)."
+        "shift", "How the validation search chooses the scale (with the temperature): 'shift' (the "
+        "lowest NLL on shifted validation inputs among choices the clean split cannot tell "
+        "from the calibrated starting network; see bayesify.train.tuning) or 'min' (the "
+        "lowest clean validation NLL)."
     )
     lr: float = option(
         1e-3, "SGD learning rate of the collection run (fit(lr=...) overrides it). Small on "
@@ -81,8 +82,8 @@ class SWAGConfig(MethodConfig):
         require(0 < low < high and int(count) >= 2,
                 f"scale_grid must be (low, high, count) with 0 < low < high, count >= 2; "
                 f"got {self.scale_grid!r}")
-        require(self.val_rule in ("min", "one_se"),
-                f"val_rule must be 'min' or 'one_se', got {self.val_rule!r}")
+        require(self.val_rule in ("shift", "min"),
+                f"val_rule must be 'shift' or 'min', got {self.val_rule!r}")
         require(self.lr >= 0, f"lr must be >= 0, got {self.lr}")
         require(self.lr_schedule in ("constant", "cyclic"),
                 f"lr_schedule must be 'constant' or 'cyclic', got {self.lr_schedule!r}")
