@@ -41,13 +41,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from protocols import SEEN, UNSEEN, Protocol, pretrained, protocol, shifts  # noqa: E402
-from quality_table import aggregate  # noqa: E402
+from protocols import SEEN, UNSEEN, Protocol, pretrained, protocol, shifts
+from quality_table import aggregate
 
-import bayesify  # noqa: E402
-from bayesify import metrics  # noqa: E402
-from bayesify.evaluation import peers  # noqa: E402
-from bayesify.predict.predictor import BasePredictor, ModelPredictor  # noqa: E402
+import bayesify
+from bayesify import metrics
+from bayesify.evaluation import peers
+from bayesify.predict.predictor import BasePredictor, ModelPredictor
 
 PEER_RECIPES: dict[str, dict[str, Any]] = {
     "laplace-torch": {"subset_of_weights": "last_layer", "hessian_structure": "kron",
