@@ -232,16 +232,16 @@ def markdown(summary: dict[str, Any]) -> str:
     ref = rows["map"]["metrics"]
     lines = ["# Quality frontier: every family's defaults on a held-out-style protocol", "",
              f"Command: `{meta['command']}`  ",
-             f"Seeds {meta['seeds']}; bootstrap resamples {meta['bootstrap']}; torch "
+             (f"Seeds {meta['seeds']}; bootstrap resamples {meta['bootstrap']}; torch "
              f"{meta['torch']}; peers {meta['peers']}; {meta['machine']}, {meta['date']}; "
-             f"wall time {meta['wall_seconds']:.0f} s.", "",
-             "Protocol: `benchmarks/protocols.py` (noisy digits, classes 0–7, pretrained CNN, "
+             f"wall time {meta['wall_seconds']:.0f} s."), "",
+             ("Protocol: `benchmarks/protocols.py` (noisy digits, classes 0–7, pretrained CNN, "
              "200 fine-tuning images; shifts *unseen* by the library: blur, contrast, translate, "
              "occlude; *seen*: gaussian, salt-and-pepper, rotation; OOD: digits 8–9 + photo "
              "patches). Mean over seeds ± bootstrap SE. `shift ratio` = unseen-shift NLL / the "
-             "starting network's.", "",
-             "| row | M | acc | clean NLL | ECE | unseen-shift NLL | shift ratio | seen-shift NLL "
-             "| OOD AUROC (H) | OOD AUROC (MI) | T | fit s | predict s |",
+             "starting network's."), "",
+             ("| row | M | acc | clean NLL | ECE | unseen-shift NLL | shift ratio | seen-shift NLL "
+             "| OOD AUROC (H) | OOD AUROC (MI) | T | fit s | predict s |"),
              "|" + "---|" * 13]
     base_unseen = _mean_of(ref, UNSEEN)
     for name, row in rows.items():
