@@ -46,7 +46,8 @@ statistic ``a_i = ⟨W_i, w_i⟩/‖w_i‖²`` — under q(W|z) it is ``N(z_i, v
 
 where ``z_b = f_r(z_T)`` is the output of r's own flow (``log r`` adds its
 log-determinant). Both forms are valid auxiliary bounds; only their tightness differs.
-The projection ``cᵀW`` and ``a`` are Gaussian given z_T, so W is never sampled whole.
+W is sampled whole once per step (O(C·n), the cost of the KL itself): ``a`` and ``cᵀW``
+are correlated through it, so sampling them as independent Gaussians would bias the bound.
 """
 
 from __future__ import annotations
@@ -120,29 +121,19 @@ class InverseModel(nn.Module):
         self.log_std = nn.Parameter(torch.full((dim,), math.log(init_std)))
         self.flow = CouplingFlow(dim, depth=depth, hidden=hidden, scale=init_std)
 
-    def projection(self, w: torch.Tensor, var: torch.Tensor, z: torch.Tensor,
-                   eps: torch.Tensor) -> torch.Tensor:
-        """``ḡ []``: a sample of ``mean_j tanh((cᵀW)_j)``, ``W ~ q(W|z)``; ``cᵀW [n]`` is
-        Gaussian with mean ``cᵀ(z ∘ w)`` and variance ``(c²)ᵀσ²``; ``eps [n]``."""
-        mean = (self.c * z) @ w
-        spread = torch.sqrt(self.c.pow(2) @ var + 1e-30)
-        return torch.tanh(mean + spread * eps).mean()
-
     def log_prob(self, z: torch.Tensor, w: torch.Tensor, var: torch.Tensor,
-                 eps: torch.Tensor) -> torch.Tensor:
-        """``log r(z | W)`` summed over nodes, for one ``W ~ q(W|z)`` given through its
-        Gaussian statistics. ``z [C]``, ``w``/``var [C, n]`` (weights, σ²),
-        ``eps [C + n]`` standard normal (node statistics, then the projection)."""
-        dim = z.shape[0]
-        g = self.projection(w, var, z, eps[dim:])
+                 weights: torch.Tensor) -> torch.Tensor:
+        """``log r(z | W)`` summed over nodes. ``z [C]``; ``w``/``var [C, n]`` the mean
+        weights and σ² of q(W|z) (node view); ``weights [C, n]`` one sample ``W ~ q(W|z)``."""
+        g = torch.tanh(self.c @ weights).mean()                   # ḡ = mean_j tanh((cᵀW)_j)
         mean = self.m + self.b1 * g
         precision = torch.exp(-2.0 * (self.log_std + self.b2 * g))
         if self.use_nodes:
             norm2 = w.pow(2).sum(1)
             alive = norm2 > torch.finfo(norm2.dtype).tiny
             safe = torch.where(alive, norm2, torch.ones_like(norm2))
+            node = (weights * w).sum(1) / safe                    # a_i ~ N(z_i, v_i) given z
             v = (w.pow(2) * var).sum(1) / safe.pow(2)
-            node = z + torch.sqrt(v) * eps[:dim]                 # a_i ~ N(z_i, v_i)
             node_precision = torch.where(alive & (v > 0), 1.0 / v.clamp_min(1e-30),
                                          torch.zeros_like(v))
             total = precision + node_precision

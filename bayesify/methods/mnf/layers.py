@@ -154,8 +154,8 @@ class MNFLayer(BayesianLayer):
         sigma = node_view(self.weight_sigma.float(), self.groups)
         kl_w = node_prior_kl(w, sigma, z, scale=self.prior_std, jitter=self.prior_weight_std,
                              floor=self.floor)
-        eps = torch.randn(w.shape[0] + w.shape[1], device=w.device)
-        log_r = self.inverse.log_prob(z, w, sigma.pow(2), eps)
+        weights = z.unsqueeze(1) * w + sigma * torch.randn_like(w)    # W ~ q(W|z_T)
+        log_r = self.inverse.log_prob(z, w, sigma.pow(2), weights)
         return kl_w + log_q - log_r
 
     def extra_repr(self) -> str:
