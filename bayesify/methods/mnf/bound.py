@@ -36,8 +36,10 @@ through one global projection ``tanh(cᵀW)``::
     μ̃_i = m_i + b1_i·ḡ,   log σ̃_i = λ_i + b2_i·ḡ,   ḡ = mean_j tanh((cᵀW)_j)
 
 (``m``, ``λ`` per-node offsets added so that r starts equal to q(z_0)). It cannot tell z_i
-from W, so ``log q(z_T) − log r`` cancels the entropy of q(z) and the node noise
-collapses in training. ``inverse_model='node'`` (default) also uses each node's own
+from W, so at best r ≈ q(z_T) and ``log q(z_T) − log r`` cancels the entropy of q(z): the
+z part of the KL is then ``E (z−1)²/2s²`` alone and shrinks the node noise towards 0
+(with the node statistic below it is ≈ ``KL(q(z)‖N(1, s²))``, which widens it towards s).
+``inverse_model='node'`` (default) also uses each node's own
 statistic ``a_i = ⟨W_i, w_i⟩/‖w_i‖²`` — under q(W|z) it is ``N(z_i, v_i)`` with
 ``v_i = Σ_j w_ij² σ_ij² / ‖w_i‖⁴`` — combined with the paper's Gaussian by precision
 (the posterior of z_i given a_i under that Gaussian as prior)::

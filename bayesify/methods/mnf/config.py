@@ -44,7 +44,7 @@ class MNFConfig(MethodConfig):
         "node", "r(z_T | W): 'paper' — eq. 11–12, a global projection tanh(cᵀW) scaled per node; "
         "'node' (default) — the same combined with each node's own statistic "
         "a_i = ⟨W_i, w_i⟩/‖w_i‖² (what W says about z_i). With 'paper' r cannot see z_i in W, "
-        "the bound cancels the entropy of q(z) and the node noise collapses in training.")
+        "the bound cancels the entropy of q(z) and its KL shrinks the node noise towards 0.")
     samples: int = option(
         2, "S: training repeats of every example, each with its own z and weight noise (iBNN's 2).")
     predict_samples: int = option(
