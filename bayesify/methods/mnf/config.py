@@ -45,6 +45,11 @@ class MNFConfig(MethodConfig):
         "'node' (default) — the same combined with each node's own statistic "
         "a_i = ⟨W_i, w_i⟩/‖w_i‖² (what W says about z_i). With 'paper' r cannot see z_i in W, "
         "the bound cancels the entropy of q(z) and its KL shrinks the node noise towards 0.")
+    kl_samples: int = option(
+        16, "K: samples of z_T averaged in every step's KL term. Only node-level terms depend "
+        "on z (the weight-level ones are computed once), so 16 cost little and cut the "
+        "gradient noise of the one-sample bound, which on a small training set (KL/N_train "
+        "large) random-walks z.")
     samples: int = option(
         2, "S: training repeats of every example, each with its own z and weight noise (iBNN's 2).")
     predict_samples: int = option(

@@ -70,6 +70,7 @@ class MNFLayer(BayesianLayer):
         self.prior_std = config.prior_std
         self.prior_weight_std = config.prior_weight_std
         self.floor = config.init_floor
+        self.kl_samples = config.kl_samples
         weight = base_layer.weight.detach()
         dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
         factory = {"device": weight.device, "dtype": dtype}
@@ -126,37 +127,39 @@ class MNFLayer(BayesianLayer):
         return mean + torch.sqrt(var + _VAR_EPS) * eps.to(x.dtype)
 
     # -- the KL part of the bound ----------------------------------------------------------
-    def kl_sample(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One ``z_T ~ q(z_T)`` ``[C]`` and ``log q(z_T)`` with ``log q(z_0)`` replaced by
+    def kl_sample(self, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``z_T ~ q(z_T)`` ``[K, C]`` and ``log q(z_T)`` ``[K]``, with ``log q(z_0)`` replaced by
         its expectation ``−Σ (log σ_z + ½ log 2πe)`` (the closed-form entropy)."""
-        eps = torch.randn(self.z_mean.shape, device=self.z_mean.device)
+        eps = torch.randn((samples, self.z_mean.shape[0]), device=self.z_mean.device)
         std = self.z_std.float()
-        z, logdet = self.flow((self.z_mean.float() + std * eps).unsqueeze(0))
-        log_q = -(torch.log(std) + _HALF_LOG_2PI_E).sum() - logdet[0]
-        return z[0], log_q
+        z, logdet = self.flow(self.z_mean.float() + std * eps)
+        return z, -(torch.log(std) + _HALF_LOG_2PI_E).sum() - logdet
 
     def kl(self) -> torch.Tensor:
-        """The layer's KL term of the auxiliary bound (one Monte-Carlo sample, fp32).
+        """The layer's KL term of the auxiliary bound (Monte Carlo over ``kl_samples`` z_T, fp32).
 
-        ``weight_std > 0``: ``KL(q(W|z_T)‖p(W)) + log q(z_T) − log r(z_T|W)`` (see
+        ``weight_std > 0``: ``KL(q(W|z_T)‖p(W)) + log q(z_T) − E log r(z_T|W)`` (see
         :mod:`bayesify.methods.mnf.bound`). ``weight_std = 0``: ``KL(q(z_T) ‖ N(1, s²))``
         — closed form at flow depth 0 (iBNN's with K = 1), else ``log q(z_T) − log p(z_T)``.
         """
         if self.weight_rho is None and not self.flow.layers:
             return gaussian_kl(self.z_mean.float(), self.z_std.float().pow(2), 1.0,
                                self.prior_std).sum()
-        z, log_q = self.kl_sample()
+        z, log_q = self.kl_sample(self.kl_samples)
         if self.weight_rho is None:
             log_p = (-0.5 * ((z - 1.0) / self.prior_std).pow(2) - math.log(self.prior_std)
-                     - 0.5 * math.log(2.0 * math.pi)).sum()
-            return log_q - log_p
+                     - 0.5 * math.log(2.0 * math.pi)).sum(-1)
+            return (log_q - log_p).mean()
         w = node_view(self.base_layer.weight.detach().float(), self.groups)
         sigma = node_view(self.weight_sigma.float(), self.groups)
         kl_w = node_prior_kl(w, sigma, z, scale=self.prior_std, jitter=self.prior_weight_std,
                              floor=self.floor)
-        weights = z.unsqueeze(1) * w + sigma * torch.randn_like(w)    # W ~ q(W|z_T)
-        log_r = self.inverse.log_prob(z, w, sigma.pow(2), weights)
-        return kl_w + log_q - log_r
+        if self.inverse.use_nodes:
+            neg_log_r = self.inverse.neg_log_prob(z, w, sigma.pow(2))
+        else:  # eq. 11–12 need a whole W ~ q(W|z_T): one, for the first z sample
+            weights = z[0].unsqueeze(1) * w + sigma * torch.randn_like(w)
+            neg_log_r = self.inverse.neg_log_prob(z[:1], w, sigma.pow(2), weights)
+        return (kl_w + log_q).mean() + neg_log_r.mean()
 
     def extra_repr(self) -> str:
         return (f"nodes={self.z_mean.shape[0]}, flow_depth={len(self.flow.layers)}, "
