@@ -37,7 +37,7 @@ OPTIONS = {
 POST_HOC = ("laplace", "swag")  # their posterior exists only after fit
 #: families whose frozen noise has one value per token ([N, C] masks / local-reparam
 #: noise): the exported table has the example's length, so N is fixed (and warned about)
-PER_TOKEN_NOISE = ("dropout", "meanfield")
+PER_TOKEN_NOISE = ("dropout", "meanfield", "mnf")
 
 
 def _cases() -> list[tuple[str, str, tuple[str, ...]]]:

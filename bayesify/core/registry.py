@@ -14,6 +14,7 @@ _METHODS: dict[str, str] = {
     "ibnn": "bayesify.methods.ibnn.method:IBNNMethod",
     # registry lines of further families go below this one
     "meanfield": "bayesify.methods.meanfield.method:MeanFieldMethod",
+    "mnf": "bayesify.methods.mnf.method:MNFMethod",
     "hypernet": "bayesify.methods.hypernet.method:HypernetMethod",
     "swag": "bayesify.methods.swag.method:SWAGMethod",
     "laplace": "bayesify.methods.laplace.method:LaplaceMethod",

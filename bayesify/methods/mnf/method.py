@@ -1,0 +1,57 @@
+"""MNF family: registry entry, type → wrapper table, training layout and knob."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import nn
+
+from bayesify.core.context import SamplingContext
+from bayesify.core.fitting import Step
+from bayesify.core.method import wrapper_table
+from bayesify.errors import BayesifyError
+from bayesify.kit.family import NoiseFamily
+from bayesify.kit.knobs import SpreadKnob
+from bayesify.kit.steps import ElboStep, RoundRobin
+from bayesify.methods.mnf.config import MNFConfig
+from bayesify.methods.mnf.layers import MNFLayer
+
+KNOB = "mnf_noise_scale"
+
+
+class MNFMethod(SpreadKnob, NoiseFamily):
+    """Multiplicative normalizing flows around every target Linear/Conv (Louizos & Welling).
+
+    Training: every example repeated ``samples`` times, each row with its own z and
+    pre-activation noise; loss ``mean NLL + β·KL/N_train`` with each layer's auxiliary-bound
+    KL term. Prediction: ``predict_samples`` members, each a fixed draw of z and of the
+    pre-activation noise, averaged in probability space; export freezes those draws.
+    """
+
+    name = "mnf"
+    config_cls = MNFConfig
+    knob = KNOB
+    knob_meaning = "multiplier of the learned stds of q(z_0) and q(W|z); 0 = mean network"
+    wrappers: ClassVar = wrapper_table(MNFLayer)
+
+    def build(self, model: nn.Module, targets: list[str],
+              context: SamplingContext) -> dict[str, nn.Module]:
+        """The wrappers; a conv whose ``padding='same'`` is combined with a non-zero padding
+        mode is refused (the variance convolution cannot reproduce it)."""
+        if self.config.weight_std > 0:
+            modules = dict(model.named_modules())
+            for name in targets:
+                module = modules[name]
+                if getattr(module, "padding", None) == "same" and getattr(
+                        module, "padding_mode", "zeros") != "zeros":
+                    raise BayesifyError(
+                        f"mnf cannot wrap {name!r}: padding='same' with padding_mode="
+                        f"{module.padding_mode!r} has no variance convolution; exclude it "
+                        f"(exclude=[{name!r}]) or use weight_std=0 (node noise only)")
+        return super().build(model, targets, context)
+
+    def step(self) -> Step:
+        # lr: iBNN's: z, its flow and σ's softplus parameters are O(1) multipliers and
+        # log-scales whatever the network, so one SGD step size fits every network; the
+        # base weights (the mean of q(W|z)) stay frozen unless base_lr > 0
+        return ElboStep(RoundRobin(self.config.samples, 1), lr=0.2)
