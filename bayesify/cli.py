@@ -40,6 +40,7 @@ from bayesify.cli_inputs import (
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
 from bayesify.predict.predictor import BasePredictor
+from bayesify.train.loop import EPOCHS_HELP
 
 
 # -- fit ------------------------------------------------------------------------------------
@@ -56,8 +57,7 @@ def _add_fit_arguments(parser: argparse.ArgumentParser, *, method: str = "ibnn",
                         help="a config field of the family as KEY=VALUE (JSON value), "
                              "repeatable; the same as the family's own flags listed under "
                              "--method NAME --help")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help="posterior fine-tuning epochs (default: 5; Laplace makes one pass)")
+    parser.add_argument("--epochs", type=int, default=None, help=EPOCHS_HELP)
     parser.add_argument("--lr", type=float, default=None,
                         help="learning rate of the posterior (default: the family's)")
     parser.add_argument("--base-lr", type=float, default=0.0,
@@ -97,7 +97,7 @@ def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
     options = {**key_values(args.option, "--option"),
                **family_options(args, args.method)}
     step = cls(check_family_options(args.method, options)).step()
-    fit_kwargs: dict[str, Any] = {"epochs": 5} if step.optimizes else {}
+    fit_kwargs: dict[str, Any] = {}  # epochs None: fit's step budget
     for key, value in (("epochs", args.epochs), ("lr", args.lr),
                        ("kl_anneal_epochs", args.kl_anneal_epochs)):
         if value is not None:
@@ -366,21 +366,10 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed of the data split, MAP training and posterior (default: 0)")
     parser.add_argument("--map-epochs", type=int, default=40,
                         help="epochs of plain MAP training of the 'pretrained' CNN (default: 40)")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help="posterior fine-tuning epochs (default: bayesify.fit's, "
-                             f"{_fit_default('epochs')})")
+    parser.add_argument("--epochs", type=int, default=None, help=EPOCHS_HELP)
     parser.add_argument("--no-progress", action="store_true", help="hide tqdm progress bars")
     parser.add_argument("--no-plots", action="store_true",
                         help="skip the reliability diagram and entropy histogram PNGs")
-
-
-def _fit_default(name: str) -> Any:
-    """The default of a ``bayesify.fit`` keyword (help texts quote it, never a copy)."""
-    import inspect
-
-    from bayesify.train.loop import fit
-
-    return inspect.signature(fit).parameters[name].default
 
 
 def _run_demo(args: argparse.Namespace) -> int:

@@ -51,13 +51,13 @@ def run_demo(
     methods: list[str] | tuple[str, ...] = ("ibnn",),
     seed: int = 0,
     map_epochs: int = 40,
-    epochs: int | None = 5,
+    epochs: int | None = None,
     progress: bool = True,
     plots: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Run the demo; returns (and writes to ``out_dir/results.json``) one dict per method.
 
-    Every family: defaults, ``epochs`` epochs (None: ``fit``'s default) and the
+    Every family: defaults, ``epochs`` epochs (None, the default: ``fit``'s step budget) and the
     validation split as ``val_loader``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 __all__ = ["FitResult", "TrainContext", "TrainState", "build_optimizer", "fit", "train_step"]
 
 
-logger = logging.getLogger("bayesify")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,6 +102,12 @@ def default_min_steps() -> int:
     if not value.isdigit() or int(value) < 1:
         raise BayesifyError(f"BAYESIFY_MIN_STEPS must be a positive integer, got {value!r}")
     return int(value)
+
+#: the ``--epochs`` help of every entry point (CLI fit and demo, the ImageNet example):
+#: they all leave ``epochs`` to :func:`fit`'s step budget unless given
+EPOCHS_HELP = (f"posterior fine-tuning epochs (default: enough epochs for at least "
+               f"{DEFAULT_MIN_STEPS} optimiser steps, bayesify.fit's budget; Laplace makes "
+               "one pass)")
 
 FIT_FALLBACKS = {"momentum": 0.9, "weight_decay": 0.0, "lr_schedule": "constant", "optimizer": "sgd"}
 

@@ -65,7 +65,7 @@ from bayesify.train.shift import ShiftSignal, calibrate_shift, temperature_grid
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
-logger = logging.getLogger("bayesify")
+logger = logging.getLogger(__name__)
 
 Batches = Callable[[], Iterator[Batch]]
 #: temperatures searched with every knob value: 1 (the posterior as trained) up to 4, never
