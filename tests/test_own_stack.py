@@ -5,8 +5,15 @@ progress and log lines on every long phase, warnings that name the family and th
 from __future__ import annotations
 
 import inspect
+import logging
 from pathlib import Path
 
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bayesify import bayesify, fit
 from bayesify.cli import build_parser
 from bayesify.train.loop import DEFAULT_MIN_STEPS, EPOCHS_HELP
 
@@ -47,3 +54,51 @@ def test_library_loggers_are_children_of_bayesify():
     from bayesify.train import loop, tuning
 
     assert {loop.logger.name, tuning.logger.name} == {"bayesify.train.loop", "bayesify.train.tuning"}
+
+
+# -- progress and log lines ------------------------------------------------------------------
+def _tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3)).eval()
+
+
+def _tiny_data(n: int = 48, batch_size: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def _messages(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("bayesify."))
+
+
+def test_fit_evaluate_calibrate_export_resume_say_what_they_did(tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="bayesify")
+    monkeypatch.setenv("BAYESIFY_MIN_STEPS", "13")  # 6 batches per epoch: 3 epochs
+    loader = _tiny_data()
+    bnn = bayesify(_tiny_model(), "ibnn", components=2)
+    fit(bnn, loader, checkpoint_dir=tmp_path / "ckpt", keep_checkpoints=3, progress=False)
+    text = _messages(caplog)
+    assert "3 epoch(s) of 6 batch(es) for a budget of 13 optimiser steps" in text
+    first = min((tmp_path / "ckpt").glob("epoch0001-*.ckpt"))
+    fit(bnn, loader, resume=first, progress=False)
+    assert f"resumed from {first} at epoch 2, step 0" in _messages(caplog)
+
+    predictor = bnn.predictor()
+    predictor.evaluate(loader, progress=False)
+    assert "evaluate (ibnn): done in" in _messages(caplog)
+    result = predictor.calibrate(loader, progress=False)
+    assert f"calibrate: temperature {result.temperature:.4g}" in _messages(caplog)
+    pytest.importorskip("torch.export")
+    predictor.export(tmp_path / "m.pt2", torch.randn(2, 4))
+    assert f"export: wrote {tmp_path / 'm.pt2'} in" in _messages(caplog)
+
+
+def test_bars_only_on_rank_zero_and_when_asked(monkeypatch):
+    from bayesify.progress import progress_bar
+
+    assert not progress_bar(range(3), "x").disable
+    assert progress_bar(range(3), "x", enabled=False).disable
+    monkeypatch.setenv("RANK", "1")
+    assert progress_bar(range(3), "x").disable

@@ -23,11 +23,13 @@ if TYPE_CHECKING:
 
 
 def starting_metrics(bnn: BayesianModel, val_loader: Iterable, ctx: DistContext, *,
-                      batch_fn: BatchFn | None, amp: bool) -> dict[str, float]:
+                      batch_fn: BatchFn | None, amp: bool,
+                      progress: bool = True) -> dict[str, float]:
     """Validation accuracy and NLL of the network the fit starts from (the base)."""
     base = ModelPredictor(bnn.unwrap().eval())
     base.batch_fn = batch_fn
-    metrics = evaluation.evaluate_sharded(base, val_loader, ctx, amp=amp, batch_fn=batch_fn)
+    metrics = evaluation.evaluate_sharded(base, val_loader, ctx, amp=amp, batch_fn=batch_fn,
+                                          progress=progress, desc="validate the start")
     return {k: metrics[k] for k in ("accuracy", "nll") if k in metrics}
 
 

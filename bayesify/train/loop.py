@@ -256,7 +256,8 @@ def fit(
                 if knob.initial is not None:
                     knob.set(knob.initial)
             step.begin(state)
-        start = (starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=state.amp)
+        start = (starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=state.amp,
+                                  progress=progress)
                  if val_loader is not None and payload is None else None)
         if step.optimizes:
             _forward(state, compile=compile, find_unused_parameters=find_unused_parameters)
@@ -277,7 +278,8 @@ def fit(
                 metrics = evaluation.evaluate_sharded(bnn, val_loader, ctx,
                                            samples_per_component=val_samples_per_component,
                                            amp=state.amp, channels_last=channels_last,
-                                           batch_fn=batch_fn)
+                                           batch_fn=batch_fn, progress=progress,
+                                           desc=f"validate epoch {state.epoch + 1}")
                 record.update({f"val_{k}": v for k, v in metrics.items() if isinstance(v, float)})
             state.history.append(record)
             state.epoch, state.step, state.totals = state.epoch + 1, 0, {}
@@ -322,6 +324,10 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
     if state.epochs is None:
         budget = default_min_steps() if min_steps is None else min_steps
         state.epochs = budget_epochs(state.steps_per_epoch, state.grad_accum_steps, budget)
+        if ctx.is_main:
+            logger.info("fit(epochs=None): %d epoch(s) of %d batch(es) for a budget of %d "
+                        "optimiser steps (min_steps / $BAYESIFY_MIN_STEPS)", state.epochs,
+                        state.steps_per_epoch, budget)
     state.noise_generator = torch.Generator(device=ctx.device)
     state.noise_generator.manual_seed(rank_seed(seed, ctx.rank))
     if state.channels_last:

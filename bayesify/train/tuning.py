@@ -194,6 +194,9 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                             bnn.method_name, knob.name, values[v], chosen_t, knob.meaning)
                 if knob.settle is not None:
                     record.update(knob.settle())
+            if knob is None:
+                logger.info("%s: temperature %.3g chosen on validation", bnn.method_name,
+                            chosen_t)
             record["temperature"] = chosen_t
             record["val_nll"] = float(clean_t[v, t].mean())
             if shifted_t is not None:
