@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
-import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +43,12 @@ from bayesify.core.outputs import check_not_probabilities, logits_of
 from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train import evaluate as evaluation
 from bayesify.train import resume as ckpt
+from bayesify.train.budget import (  # noqa: F401 - re-exported
+    DEFAULT_MIN_STEPS,
+    EPOCHS_HELP,
+    budget_epochs,
+    default_min_steps,
+)
 from bayesify.train.context import TrainContext, TrainState
 from bayesify.train.data import TrainData
 from bayesify.train.distributed import (
@@ -89,26 +93,6 @@ class FitResult:
 
 
 #: fit options and their defaults (None: the family's default, else the fallback)
-#: the step budget of ``fit(epochs=None)``: whole epochs until this many optimiser steps
-#: (the environment variable ``BAYESIFY_MIN_STEPS`` overrides it, e.g. for quick tests)
-DEFAULT_MIN_STEPS = 300
-
-
-def default_min_steps() -> int:
-    """:data:`DEFAULT_MIN_STEPS`, or ``$BAYESIFY_MIN_STEPS`` when set (a positive integer)."""
-    value = os.environ.get("BAYESIFY_MIN_STEPS")
-    if value is None:
-        return DEFAULT_MIN_STEPS
-    if not value.isdigit() or int(value) < 1:
-        raise BayesifyError(f"BAYESIFY_MIN_STEPS must be a positive integer, got {value!r}")
-    return int(value)
-
-#: the ``--epochs`` help of every entry point (CLI fit and demo, the ImageNet example):
-#: they all leave ``epochs`` to :func:`fit`'s step budget unless given
-EPOCHS_HELP = (f"posterior fine-tuning epochs (default: enough epochs for at least "
-               f"{DEFAULT_MIN_STEPS} optimiser steps, bayesify.fit's budget; Laplace makes "
-               "one pass)")
-
 FIT_FALLBACKS = {"momentum": 0.9, "weight_decay": 0.0, "lr_schedule": "constant", "optimizer": "sgd"}
 
 
@@ -341,15 +325,6 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
         "grad_accum_steps": state.grad_accum_steps, "clip_grad_norm": state.clip_grad_norm,
     }
     return json.loads(json.dumps(options))
-
-
-def budget_epochs(batches_per_epoch: int, grad_accum_steps: int, min_steps: int) -> int:
-    """Whole epochs that reach ``min_steps`` optimiser steps (1 for a loader without a length)."""
-    if batches_per_epoch <= 0:
-        logger.info("the training loader has no length: fit(epochs=None) trains one epoch")
-        return 1
-    per_epoch = max(1, math.ceil(batches_per_epoch / max(grad_accum_steps, 1)))
-    return max(1, math.ceil(min_steps / per_epoch))
 
 
 def _forward(state: TrainContext, *, compile: bool | dict[str, Any],
