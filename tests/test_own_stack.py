@@ -102,3 +102,55 @@ def test_bars_only_on_rank_zero_and_when_asked(monkeypatch):
     assert progress_bar(range(3), "x", enabled=False).disable
     monkeypatch.setenv("RANK", "1")
     assert progress_bar(range(3), "x").disable
+
+
+# -- warnings that name the family and the fix -----------------------------------------------
+def _pretrained() -> tuple[nn.Module, DataLoader]:
+    torch.manual_seed(0)
+    x = torch.randn(200, 4)
+    y = (x[:, 0] > 0).long()
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    for _ in range(200):  # near-perfect on this split: a training NLL near 0
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return net.eval(), DataLoader(TensorDataset(x, y), batch_size=50, shuffle=True)
+
+
+def _fit_warnings(bnn, data, **kwargs) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(bnn, data, progress=False, **kwargs)
+    return [str(w.message) for w in caught]
+
+
+def test_a_posterior_that_did_not_move_warns(monkeypatch):
+    monkeypatch.setenv("BAYESIFY_MIN_STEPS", "8")
+    net, data = _pretrained()
+    said = _fit_warnings(bayesify(net, "ibnn"), data, lr=1e-12)
+    assert any("the posterior of 'ibnn' barely moved from its initialisation in 8 optimiser "
+               "steps" in m and "raise lr or epochs" in m for m in said), said
+    # the family's own lr moves it: no such warning
+    said = _fit_warnings(bayesify(net, "ibnn"), data)
+    assert not any("barely moved" in m for m in said), said
+
+
+def test_a_snapshot_family_is_not_watched_for_moving(monkeypatch):
+    monkeypatch.setenv("BAYESIFY_MIN_STEPS", "8")
+    net, data = _pretrained()
+    said = _fit_warnings(bayesify(net, "swag"), data, lr=1e-12)
+    assert not any("barely moved" in m for m in said), said
+
+
+def test_a_training_nll_far_above_the_start_warns(monkeypatch):
+    monkeypatch.setenv("BAYESIFY_MIN_STEPS", "8")
+    net, data = _pretrained()
+    # component means far from 1 and an lr too small to bring them back
+    said = _fit_warnings(bayesify(net, "ibnn", init_mean_std=3.0), data, lr=1e-8)
+    assert any("fit of 'ibnn': the mean training NLL of the last epoch" in m
+               and "lower lr" in m for m in said), said
+    said = _fit_warnings(bayesify(net, "ibnn"), data)
+    assert not any("mean training NLL" in m for m in said), said

@@ -60,7 +60,14 @@ from bayesify.train.distributed import (
     setup_distributed,
 )
 from bayesify.train.guard import buffers_restored_on_error
-from bayesify.train.hooks import Callback, HistoryLog, as_callback, starting_metrics, warn_if_worse
+from bayesify.train.hooks import (
+    Callback,
+    FitWatch,
+    HistoryLog,
+    as_callback,
+    starting_metrics,
+    warn_if_worse,
+)
 from bayesify.train.options import validate_fit_options
 from bayesify.train.schedules import parse_schedule
 from bayesify.train.steps import TrainForward, build_optimizer, flush_group, train_step
@@ -246,13 +253,15 @@ def fit(
         if step.optimizes:
             _forward(state, compile=compile, find_unused_parameters=find_unused_parameters)
         result = FitResult(history=state.history)
+        watch = FitWatch(state, fresh=payload is None)
         log = HistoryLog(log_dir, ctx)
         hooks = [as_callback(c) for c in callbacks]
         while state.epoch < state.epochs:
             # a statistics pass (no optimiser) that fails half-way leaves no half-accumulated
             # state behind: its buffers are put back (gradient steps have the step guard)
             with contextlib.nullcontext() if step.optimizes else buffers_restored_on_error(bnn):
-                record = _run_epoch(state, progress=progress and ctx.is_main, run=run, hooks=hooks)
+                record = _run_epoch(state, progress=progress and ctx.is_main, run=run, hooks=hooks,
+                                    watch=watch)
                 is_last = state.epoch + 1 == state.epochs
                 if is_last:
                     record.update(step.end(state))
@@ -276,6 +285,7 @@ def fit(
         if start is not None and state.history:
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
             warn_if_worse(method.name, start, state.history[-1])
+        watch.finish(state, method.name)
         return result
 
 
@@ -362,7 +372,7 @@ def _wrap_ddp(module: nn.Module, ctx: DistContext, *, sync_buffers: bool,
 
 
 def _run_epoch(state: TrainContext, *, progress: bool, run: ckpt.Run,
-               hooks: list[Callback]) -> dict[str, Any]:
+               hooks: list[Callback], watch: FitWatch) -> dict[str, Any]:
     """One epoch of the family's step over this rank's batches; the epoch's record."""
     bnn, step = state.bnn, state.family
     assert step is not None and state.data is not None
@@ -385,6 +395,8 @@ def _run_epoch(state: TrainContext, *, progress: bool, run: ckpt.Run,
             check_labels(labels, state.num_classes, where="fit")
         check_finite_batch(batch, where=f"fit at epoch {state.epoch}, step {state.step}",
                            error=NonFiniteLossError)  # before the forward touches BN statistics
+        if state.epoch == 0:
+            watch.see(batch)
         done = state.step
         terms = step.step(batch, state)
         if state.step == done:  # a step that took no gradient step: the driver counts
