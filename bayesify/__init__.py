@@ -1,7 +1,7 @@
 """bayesify: turn a pretrained PyTorch network into a Bayesian one in two lines.
 
 >>> bnn = bayesify(model, method="ibnn")           # doctest: +SKIP
->>> result = fit(bnn, train_loader, epochs=5)      # doctest: +SKIP
+>>> result = fit(bnn, train_loader)                # doctest: +SKIP
 >>> bnn.predictor()(x).epistemic                   # doctest: +SKIP
 
 Every spelling works (:mod:`bayesify.entry`): ``import bayesify as bz;

@@ -32,7 +32,6 @@ from bayesify.cli_inputs import (
     is_main,
     key_values,
     load_predictor,
-    progress_bar,
     resolve,
     show_progress,
     write_json,
@@ -40,6 +39,7 @@ from bayesify.cli_inputs import (
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
 from bayesify.predict.predictor import BasePredictor
+from bayesify.train.loop import EPOCHS_HELP
 
 
 # -- fit ------------------------------------------------------------------------------------
@@ -56,8 +56,7 @@ def _add_fit_arguments(parser: argparse.ArgumentParser, *, method: str = "ibnn",
                         help="a config field of the family as KEY=VALUE (JSON value), "
                              "repeatable; the same as the family's own flags listed under "
                              "--method NAME --help")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help="posterior fine-tuning epochs (default: 5; Laplace makes one pass)")
+    parser.add_argument("--epochs", type=int, default=None, help=EPOCHS_HELP)
     parser.add_argument("--lr", type=float, default=None,
                         help="learning rate of the posterior (default: the family's)")
     parser.add_argument("--base-lr", type=float, default=0.0,
@@ -97,7 +96,7 @@ def _fit_plan(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
     options = {**key_values(args.option, "--option"),
                **family_options(args, args.method)}
     step = cls(check_family_options(args.method, options)).step()
-    fit_kwargs: dict[str, Any] = {"epochs": 5} if step.optimizes else {}
+    fit_kwargs: dict[str, Any] = {}  # epochs None: fit's step budget
     for key, value in (("epochs", args.epochs), ("lr", args.lr),
                        ("kl_anneal_epochs", args.kl_anneal_epochs)):
         if value is not None:
@@ -134,7 +133,8 @@ def _run_fit(args: argparse.Namespace) -> int:
         # the validation split tunes the family's predictive knob (SWAG's scale, Laplace's τ)
         fit_kwargs.setdefault("val_loader", loaders["val"])
         history = _fit_or_tune(bnn, loaders, args, fit_kwargs, log_dir=out)
-        val = bnn.predictor(seed=args.seed).evaluate(progress_bar(loaders["val"], "validate", args))
+        val = bnn.predictor(seed=args.seed).evaluate(loaders["val"],
+                                                     progress=show_progress(args))
         if is_main():
             save_checkpoint(model, out / BASE_FILE)  # bayesify() wrapped a copy
             bnn.save_posterior(out)
@@ -194,15 +194,16 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     loaders = bundle.loaders(batch_size=args.batch_size, seed=args.seed, workers=args.workers)
     split = args.split if args.split in loaders else "val"
     # one pass over the data: metrics and figures both read the collected predictions
-    raw, labels = predictor.collect_predictions(
-        progress_bar(loaders[split], f"evaluate {split}", args))
-    ood = (predictor.collect_predictions(progress_bar(loaders["ood"], "evaluate OOD", args))[0]
+    raw, labels = predictor.collect_predictions(loaders[split], where=f"evaluate {split}",
+                                                progress=show_progress(args))
+    ood = (predictor.collect_predictions(loaders["ood"], where="evaluate OOD",
+                                         progress=show_progress(args))[0]
            if "ood" in loaders else None)
     replay = _Replay(raw if ood is None else Prediction.cat([raw, ood]), predictor.temperature)
     n = raw.mean.shape[0] if raw.is_gaussian else raw.member_logits.shape[1]
     n_ood = 0 if ood is None else (ood.mean.shape[0] if ood.is_gaussian else ood.member_logits.shape[1])
     result = replay.evaluate(replay.loader(0, n, labels),
-                             None if ood is None else replay.loader(n, n_ood))
+                             None if ood is None else replay.loader(n, n_ood), progress=False)
     result.update({"split": args.split, "temperature": predictor.temperature,
                    "method": getattr(getattr(predictor, "bnn", None), "method_name", "map"),
                    "model": spec["model"], "data": spec["data"]})
@@ -275,10 +276,10 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     staged = StagedOutput(out)
     with staged as stage:
         plot = stage / "calibration_reliability.png" if is_main() else None
-        result = predictor.calibrate(progress_bar(loaders["val"], "calibrate (val)", args),
-                                     method=args.calibration, plot=plot)
-        test_logits, test_labels = predictor.collect(progress_bar(loaders["test"], "calibrate (test)",
-                                                          args))
+        result = predictor.calibrate(loaders["val"], method=args.calibration, plot=plot,
+                                     progress=show_progress(args))
+        test_logits, test_labels = predictor.collect(loaders["test"], where="calibrate (test)",
+                                                     progress=show_progress(args))
         payload = calibration_record(result, args.posterior)  # tied to this posterior
         if payload.get("plot"):
             payload["plot"] = str(out / Path(payload["plot"]).name)
@@ -366,21 +367,10 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed of the data split, MAP training and posterior (default: 0)")
     parser.add_argument("--map-epochs", type=int, default=40,
                         help="epochs of plain MAP training of the 'pretrained' CNN (default: 40)")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help="posterior fine-tuning epochs (default: bayesify.fit's, "
-                             f"{_fit_default('epochs')})")
+    parser.add_argument("--epochs", type=int, default=None, help=EPOCHS_HELP)
     parser.add_argument("--no-progress", action="store_true", help="hide tqdm progress bars")
     parser.add_argument("--no-plots", action="store_true",
                         help="skip the reliability diagram and entropy histogram PNGs")
-
-
-def _fit_default(name: str) -> Any:
-    """The default of a ``bayesify.fit`` keyword (help texts quote it, never a copy)."""
-    import inspect
-
-    from bayesify.train.loop import fit
-
-    return inspect.signature(fit).parameters[name].default
 
 
 def _run_demo(args: argparse.Namespace) -> int:

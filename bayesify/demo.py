@@ -37,9 +37,10 @@ def corrupted_loader(dataset: TensorDataset, *, gamma: float, seed: int, batch_s
     return DataLoader(TensorDataset(gaussian_mix(x, gamma, seed=seed), y), batch_size=batch_size)
 
 
-def evaluate_predictor(predictor: BasePredictor, loaders: dict[str, DataLoader], corrupt: DataLoader) -> dict[str, Any]:
-    out = predictor.evaluate(loaders["test"], loaders["ood"])
-    corrupt_stats = predictor.evaluate(corrupt)
+def evaluate_predictor(predictor: BasePredictor, loaders: dict[str, DataLoader], corrupt: DataLoader,
+                       *, progress: bool = True) -> dict[str, Any]:
+    out = predictor.evaluate(loaders["test"], loaders["ood"], progress=progress)
+    corrupt_stats = predictor.evaluate(corrupt, progress=progress)
     out["corrupt_nll"] = corrupt_stats["nll"]
     out["corrupt_accuracy"] = corrupt_stats["accuracy"]
     return out
@@ -51,13 +52,13 @@ def run_demo(
     methods: list[str] | tuple[str, ...] = ("ibnn",),
     seed: int = 0,
     map_epochs: int = 40,
-    epochs: int | None = 5,
+    epochs: int | None = None,
     progress: bool = True,
     plots: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Run the demo; returns (and writes to ``out_dir/results.json``) one dict per method.
 
-    Every family: defaults, ``epochs`` epochs (None: ``fit``'s default) and the
+    Every family: defaults, ``epochs`` epochs (None, the default: ``fit``'s step budget) and the
     validation split as ``val_loader``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -71,7 +72,8 @@ def run_demo(
                      seed=seed, progress=progress)
     results: dict[str, dict[str, Any]] = {}
     predictors: dict[str, BasePredictor] = {"map": ModelPredictor(base)}
-    results["map"] = evaluate_predictor(predictors["map"], loaders, corrupt)
+    results["map"] = evaluate_predictor(predictors["map"], loaders, corrupt,
+                                        progress=progress)
     results["map"]["fit_seconds"] = time.perf_counter() - start
 
     for name in methods:
@@ -83,7 +85,7 @@ def run_demo(
         bnn = bayesify(copy.deepcopy(base), name)
         fit(bnn, loaders["train"], progress=progress, **fit_kwargs)
         predictors[name] = bnn.predictor()
-        results[name] = evaluate_predictor(predictors[name], loaders, corrupt)
+        results[name] = evaluate_predictor(predictors[name], loaders, corrupt, progress=progress)
         results[name]["fit_seconds"] = time.perf_counter() - start
 
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))

@@ -54,6 +54,7 @@ from bayesify.train.imagenet import (
     portable_path,
     save_posterior_files,
 )
+from bayesify.train.loop import EPOCHS_HELP
 from bayesify.train.schedules import SCHEDULE_HELP, parse_schedule
 
 PROG = "finetune_imagenet.py"
@@ -101,7 +102,7 @@ def build_parser(method: str = "ibnn", *, show_family: bool = True) -> argparse.
                         "options")
 
     t = p.add_argument_group("training")
-    t.add_argument("--epochs", type=int, default=15, help="training epochs (default: 15)")
+    t.add_argument("--epochs", type=int, default=None, help=EPOCHS_HELP)
     t.add_argument("--lr", type=float, default=None,
                    help="learning rate of the posterior group (default: the family's)")
     t.add_argument("--lr-schedule", default="constant",

@@ -137,13 +137,15 @@ class Step:
     options the step cannot honour (an error naming them and ``refusal``);
     ``optimizes`` — whether the driver builds an optimiser, seeds the data order and runs
     the model in train mode (``False``: a statistics pass, in eval mode, over every
-    example exactly once).
+    example exactly once); ``trains_posterior`` — whether those optimiser steps train the
+    posterior itself (ELBO families), so ``fit`` warns when it barely moved.
     """
 
     defaults: Mapping[str, Any] = {}
     refused: tuple[str, ...] = ()
     refusal: str = "they do not apply to this family"
     optimizes: bool = False
+    trains_posterior: bool = False
 
     # -- the batch layout and loss -----------------------------------------------------
     def forward(self, bnn: BayesianModel, inputs: Any,

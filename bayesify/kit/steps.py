@@ -107,6 +107,7 @@ class ElboStep(Step):
     """
 
     optimizes = True
+    trains_posterior = True
 
     def __init__(self, layout: Layout, *, lr: float,
                  kl_weighting: Callable[[int, int], float] | None = None,

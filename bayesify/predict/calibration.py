@@ -13,7 +13,9 @@ that one is kept.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -26,9 +28,12 @@ from bayesify import metrics, plots
 from bayesify.core.checks import check_finite_logits, check_labels
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
+from bayesify.progress import is_rank_zero
 
 if TYPE_CHECKING:
     from bayesify.predict.predictor import BasePredictor
+
+logger = logging.getLogger(__name__)
 
 METHODS = ("temperature",)
 #: coarse grid of log T the LBFGS run starts from (T in [1/20, 20])
@@ -68,7 +73,8 @@ class CalibrationResult:
         return asdict(self)
 
 
-def _collect(predictor: BasePredictor, loader: Iterable) -> tuple[Prediction, torch.Tensor | None]:
+def _collect(predictor: BasePredictor, loader: Iterable, *,
+             progress: bool = True) -> tuple[Prediction, torch.Tensor | None]:
     """``predictor.collect_predictions`` with an empty loader turned into a clear error."""
     try:
         if len(loader) == 0:  # type: ignore[arg-type]
@@ -77,7 +83,7 @@ def _collect(predictor: BasePredictor, loader: Iterable) -> tuple[Prediction, to
     except TypeError:  # an unsized iterable: found out below
         pass
     try:
-        return predictor.collect_predictions(loader, where="calibrate")
+        return predictor.collect_predictions(loader, where="calibrate", progress=progress)
     except BayesifyError as err:
         if "no batches" in str(err):
             raise BayesifyError("calibrate: the validation loader produced no batches; pass a "
@@ -200,6 +206,7 @@ def calibrate(
     plot: str | Path | None = None,
     max_iter: int = 100,
     rule: str = "one_se",
+    progress: bool = True,
 ) -> CalibrationResult:
     """Fit ``predictor.temperature`` on ``val_loader`` (labels required) and set it.
 
@@ -208,6 +215,8 @@ def calibrate(
     optimum). ``plot``: path of a PNG reliability diagram before/after. The
     validation NLL after is ≤ the NLL before (the previous temperature is kept
     otherwise). Works on members and on Gaussian predictives (T divides the logits).
+    ``progress``: a bar over the validation batches (rank 0); the chosen temperature is
+    logged at INFO (``bayesify.predict.calibration``).
     """
     if method not in METHODS:
         raise BayesifyError(f"unknown calibration method {method!r}; available: {METHODS}")
@@ -215,7 +224,8 @@ def calibrate(
         raise BayesifyError(f"calibrate: rule must be one of {list(RULES)}, got {rule!r}")
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
         raise BayesifyError(f"calibrate: max_iter must be a positive integer, got {max_iter!r}")
-    prediction, labels = _collect(predictor, val_loader)
+    start = time.perf_counter()
+    prediction, labels = _collect(predictor, val_loader, progress=progress)
     if labels is None:
         raise BayesifyError("calibrate: the validation loader yields no labels; it must yield "
                             "(x, y) batches (or mappings with 'labels')")
@@ -245,6 +255,11 @@ def calibrate(
     nll_after, ece_after, conf_after, correct_after = calibration_stats(prediction, labels,
                                                                         temperature)
     predictor.temperature = temperature
+    if is_rank_zero():
+        logger.info("calibrate: temperature %.4g (%s; optimum %.4g, rule %r) on %d validation "
+                    "examples, NLL %.4f -> %.4f, in %.1f s", temperature,
+                    "kept the previous" if kept else f"was {previous:.4g}", optimum, rule, rows,
+                    nll_before, nll_after, time.perf_counter() - start)
     _warn_at_bound(temperature, rows)
     plot_path = None
     if plot is not None:

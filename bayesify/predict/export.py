@@ -19,8 +19,10 @@ buffers, so the exported graph holds only ATen ops and tensors: loading the
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +64,9 @@ from bayesify.predict.exported import (  # noqa: F401 - re-exported
     load_exported,
     run_exported,
 )
+from bayesify.progress import is_rank_zero
+
+logger = logging.getLogger(__name__)
 
 EPS = 1e-12
 #: name prefixes of ATen ops that always draw random numbers (rand, randn_like,
@@ -270,6 +275,9 @@ def export_predictor(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     method = getattr(getattr(predictor, "bnn", None), "method_name", "model")
+    start, loud = time.perf_counter(), is_rank_zero()
+    if loud:
+        logger.info("export: %s predictor to %s (%s) ...", method, path, fmt)
     example = widen_example(example_batch(example_input).to(predictor.device))
     module = build_exported_predictor(predictor, example)
     program = export_program(module, example, method=method)
@@ -294,6 +302,9 @@ def export_predictor(
     finally:
         tmp.unlink(missing_ok=True)
     files = [path, write_metadata_json(path, metadata), write_sha256(path, digest)]
+    if loud:
+        logger.info("export: wrote %s in %.1f s (%s)", path, time.perf_counter() - start,
+                    "verified" if diff is not None else "not verified")
     return {"path": str(path), "format": fmt, "method": method,
             "members": metadata["members"], "temperature": float(predictor.temperature),
             "max_abs_diff": diff, "inputs": names, "dynamic_axes": metadata["dynamic_axes"],

@@ -7,6 +7,7 @@ unless ``nonfinite="propagate"``, and accept only finite temperatures > 0.
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -29,9 +30,12 @@ from bayesify.predict.serving import (
     model_lock,
 )
 from bayesify.predict.stats import per_example_stats, summarize
+from bayesify.progress import progress_bar, timed
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
+
+logger = logging.getLogger(__name__)
 
 
 class BasePredictor:
@@ -105,16 +109,19 @@ class BasePredictor:
         raise BayesifyError(f"cannot export a {type(self).__name__}; use an "
                             "EnsemblePredictor (bnn.predictor()) or a ModelPredictor")
 
-    def collect(self, loader: Iterable) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def collect(self, loader: Iterable, *, where: str = "collect",
+                progress: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Member logits ``[M, N, C]`` (CPU, uncalibrated) and labels ``[N]`` over a loader."""
-        prediction, labels = self.collect_predictions(loader)
+        prediction, labels = self.collect_predictions(loader, where=where, progress=progress)
         return prediction.member_logits, labels
 
-    def collect_predictions(self, loader: Iterable, *,
-                            where: str = "predictor") -> tuple[Prediction, torch.Tensor | None]:
-        """The raw :class:`Prediction` (CPU) and labels ``[N]`` over a whole loader."""
+    def collect_predictions(self, loader: Iterable, *, where: str = "predictor",
+                            progress: bool = True) -> tuple[Prediction, torch.Tensor | None]:
+        """The raw :class:`Prediction` (CPU) and labels ``[N]`` over a whole loader
+        (``progress``: a bar named ``where``, rank 0 only)."""
         parts, labels = [], []
-        for batch in iter_batches(loader, device=self.device, batch_fn=self.batch_fn):
+        batches = progress_bar(loader, where, enabled=progress) if progress else loader
+        for batch in iter_batches(batches, device=self.device, batch_fn=self.batch_fn):
             parts.append(self.checked_predict(batch.model_input(), where=where).to("cpu"))
             if batch.labels is not None:
                 labels.append(batch.labels.cpu())
@@ -122,23 +129,31 @@ class BasePredictor:
             raise BayesifyError("the loader produced no batches")
         return Prediction.cat(parts), (torch.cat(labels) if labels else None)
 
-    def evaluate(self, loader: Iterable, ood_loader: Iterable | None = None, *, n_bins: int = 15) -> dict[str, Any]:
+    def evaluate(self, loader: Iterable, ood_loader: Iterable | None = None, *, n_bins: int = 15,
+                 progress: bool = True) -> dict[str, Any]:
         """Accuracy, error, NLL, ECE, Brier, mean entropy/MI; OOD AUROC when given.
 
-        Streams over the loader keeping only per-example statistics.
+        Streams over the loader keeping only per-example statistics; ``progress``: a
+        bar per loader (rank 0) and an INFO log line with the result and seconds.
         """
-        stats = per_example_stats(self, loader, device=self.device, batch_fn=self.batch_fn)
-        out = summarize(stats, n_bins=n_bins)
-        if ood_loader is not None:
-            ood = per_example_stats(self, ood_loader, device=self.device, batch_fn=self.batch_fn,
-                                    labels=False)
-            num_classes = int(stats["num_classes"])
-            out.update({
-                "ood_auroc_entropy": metrics.ood_auroc(stats["entropy"], ood["entropy"]),
-                "ood_auroc_mi": metrics.ood_auroc(stats["epistemic"], ood["epistemic"]),
-                "ood_entropy": ood["entropy"].mean().item(),
-                "ood_entropy_cdf_auc": metrics.entropy_cdf_auc(ood["entropy"], num_classes),
-            })
+        with timed(logger, f"evaluate ({self.family})") as note:
+            stats = per_example_stats(self, loader, device=self.device, batch_fn=self.batch_fn,
+                                      progress=progress, desc="evaluate")
+            out = summarize(stats, n_bins=n_bins)
+            if ood_loader is not None:
+                ood = per_example_stats(self, ood_loader, device=self.device,
+                                        batch_fn=self.batch_fn, labels=False,
+                                        progress=progress, desc="evaluate OOD")
+                num_classes = int(stats["num_classes"])
+                out.update({
+                    "ood_auroc_entropy": metrics.ood_auroc(stats["entropy"], ood["entropy"]),
+                    "ood_auroc_mi": metrics.ood_auroc(stats["epistemic"], ood["epistemic"]),
+                    "ood_entropy": ood["entropy"].mean().item(),
+                    "ood_entropy_cdf_auc": metrics.entropy_cdf_auc(ood["entropy"], num_classes),
+                })
+            if "accuracy" in out:
+                note["result"] = (f"{out['n']} examples, accuracy {out['accuracy']:.4f}, "
+                                  f"NLL {out['nll']:.4f}")
         return out
 
 

@@ -18,6 +18,7 @@ from bayesify import metrics
 from bayesify.core.batch import iter_batches
 from bayesify.core.checks import check_labels
 from bayesify.errors import BayesifyError
+from bayesify.progress import progress_bar
 
 FIELDS = ("nll", "confidence", "correct", "brier", "entropy", "aleatoric", "epistemic")
 _FIELDS = FIELDS
@@ -27,7 +28,8 @@ _FIELDS = FIELDS
 def per_example_stats(predictor: Any, loader: Iterable, *, device: torch.device,
                       amp: bool = False, channels_last: bool = False,
                       batch_fn: Any = None, labels: bool | str = True,
-                      allow_empty: bool = False, keep_probs: bool = False) -> dict[str, Any]:
+                      allow_empty: bool = False, keep_probs: bool = False,
+                      progress: bool = False, desc: str = "evaluate") -> dict[str, Any]:
     """``{field: [n]}`` CPU tensors over ``loader``, plus ``members`` and ``num_classes``.
 
     The one per-example statistics function (predictor evaluation, validation in
@@ -35,14 +37,15 @@ def per_example_stats(predictor: Any, loader: Iterable, *, device: torch.device,
     need labels (``labels=True``; ``"if_valid"``: only for batches whose labels are all
     ``>= 0``, negative labels marking out-of-distribution data); entropy, aleatoric and
     epistemic do not. ``keep_probs`` also keeps ``probs``/``log_probs [n, C]`` and
-    ``labels [n]``.
+    ``labels [n]``. ``progress``: a bar named ``desc`` (rank 0 only).
     """
     keep: dict[str, list[torch.Tensor]] = {k: [] for k in (*FIELDS, "probs", "log_probs",
                                                             "labels")}
     members, classes = 0, 0
     autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if amp
                 else contextlib.nullcontext())
-    for batch in iter_batches(loader, device=device, batch_fn=batch_fn, channels_last=channels_last):
+    batches = progress_bar(loader, desc, enabled=progress) if progress else loader
+    for batch in iter_batches(batches, device=device, batch_fn=batch_fn, channels_last=channels_last):
         with autocast:
             pred = predictor(batch.inputs_only())
         members = pred.num_members

@@ -33,12 +33,14 @@ def evaluate_sharded(
     channels_last: bool = False,
     n_bins: int = 15,
     batch_fn: Any = None,
+    progress: bool = False,
+    desc: str = "validate",
 ) -> dict[str, float]:
     """Accuracy, error, NLL, ECE (``n_bins`` bins), Brier, entropy, aleatoric, epistemic.
 
     Identical on every rank; equal to ``bnn.predictor(n).evaluate(loader)`` up to
     float summation order. ``bnn`` may also be any predictor (e.g. a ``ModelPredictor``
-    of the starting network).
+    of the starting network). ``progress``: a bar named ``desc`` on rank 0.
     """
     from bayesify.core.model import BayesianModel
 
@@ -46,7 +48,8 @@ def evaluate_sharded(
     ctx = ctx or DistContext(device=predictor.device)
     stats = per_example_stats(predictor, shard_loader(loader, ctx), device=predictor.device,
                               amp=amp, channels_last=channels_last, batch_fn=batch_fn,
-                              allow_empty=ctx.distributed)
+                              allow_empty=ctx.distributed, progress=progress and ctx.is_main,
+                              desc=desc)
     shards = all_gather_objects(stats, ctx)
     full: dict[str, Any] = {k: torch.cat([sh[k] for sh in shards]) for k in _FIELDS}
     full["members"] = max(int(sh["members"]) for sh in shards)

@@ -2,18 +2,25 @@
 
 ``history.jsonl`` (rank 0) gets one JSON record per epoch; callbacks are objects with
 optional ``on_step_end(ctx, terms)`` / ``on_epoch_end(ctx, record)`` (a plain callable
-is ``on_epoch_end``); a fit that ends clearly worse than its starting network warns.
+is ``on_epoch_end``); a fit that ends clearly worse than its starting network warns
+(validation: :func:`warn_if_worse`; training NLL and a posterior that did not move:
+:class:`FitWatch`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bayesify.core.batch import BatchFn
+import torch
+import torch.nn.functional as F
+
+from bayesify.core.batch import BatchFn, call_model
+from bayesify.core.outputs import logits_of
 from bayesify.predict.predictor import ModelPredictor
 from bayesify.train import evaluate as evaluation
 from bayesify.train.distributed import DistContext
@@ -23,11 +30,13 @@ if TYPE_CHECKING:
 
 
 def starting_metrics(bnn: BayesianModel, val_loader: Iterable, ctx: DistContext, *,
-                      batch_fn: BatchFn | None, amp: bool) -> dict[str, float]:
+                      batch_fn: BatchFn | None, amp: bool,
+                      progress: bool = True) -> dict[str, float]:
     """Validation accuracy and NLL of the network the fit starts from (the base)."""
     base = ModelPredictor(bnn.unwrap().eval())
     base.batch_fn = batch_fn
-    metrics = evaluation.evaluate_sharded(base, val_loader, ctx, amp=amp, batch_fn=batch_fn)
+    metrics = evaluation.evaluate_sharded(base, val_loader, ctx, amp=amp, batch_fn=batch_fn,
+                                          progress=progress, desc="validate the start")
     return {k: metrics[k] for k in ("accuracy", "nll") if k in metrics}
 
 
@@ -47,6 +56,72 @@ def warn_if_worse(family: str, start: dict[str, float], last: dict[str, Any]) ->
             "network; try a lower lr, fewer epochs, or a smaller initial posterior spread "
             "(see `bayesify methods " + family + "`)", stacklevel=3,
         )
+
+
+class FitWatch:
+    """What a fresh fit compares at its end with its start; rank 0 warns, naming the family
+    and the fix.
+
+    - **Training NLL far above the start's**: the mean training NLL of the last epoch
+      exceeds the starting network's mean NLL on the first :attr:`START_BATCHES` training
+      batches of the first epoch by more than :attr:`NLL_MARGIN` nats (1 nat: the
+      posterior gives the true labels under 1/e of the start's probability on average).
+    - **A posterior that barely moved**: ``‖θ_end − θ_begin‖ / ‖θ_begin‖ <`` :attr:`MOVED_TOL`
+      over the tensors the optimiser trains, for families whose step trains its posterior
+      by gradient (``Step.trains_posterior``: not SWAG's / snapshot ensembles' SGD iterates,
+      not Laplace's curvature pass). Not after a resume (the run moved before it).
+    """
+
+    START_BATCHES = 4
+    NLL_MARGIN = 1.0
+    MOVED_TOL = 1e-3
+
+    def __init__(self, state: Any, *, fresh: bool) -> None:
+        step, optimizer = state.family, state.optimizer
+        self.fresh, self.start_step = fresh, state.global_step
+        trained = (fresh and optimizer is not None and step is not None
+                   and getattr(step, "trains_posterior", False))
+        self.tensors = ([p for g in optimizer.param_groups if g.get("name") != "base"
+                         for p in g["params"]] if trained else [])
+        self.begin = [p.detach().clone() for p in self.tensors]
+        self.start_nll: list[float] = []
+        self.base = state.bnn.unwrap().eval() if fresh and optimizer is not None else None
+
+    @torch.no_grad()
+    def see(self, batch: Any) -> None:
+        """One training batch of the first epoch: the starting network's NLL on it."""
+        if self.base is None:
+            return
+        logits = logits_of(call_model(self.base, batch.model_input())).float()
+        self.start_nll.append(F.cross_entropy(logits, batch.labels).item())
+        if len(self.start_nll) >= self.START_BATCHES:
+            self.base = None  # the copy of the base network is not kept
+
+    def finish(self, state: Any, family: str) -> None:
+        self.base = None
+        if not state.ctx.is_main or not self.fresh or not state.history:
+            return
+        steps = state.global_step - self.start_step
+        last = state.history[-1].get("nll")
+        if self.start_nll and last is not None and math.isfinite(last):
+            start = sum(self.start_nll) / len(self.start_nll)
+            if last > start + self.NLL_MARGIN:
+                warnings.warn(
+                    f"fit of {family!r}: the mean training NLL of the last epoch, {last:.3f}, "
+                    f"is more than {self.NLL_MARGIN:g} nat above the starting network's on the "
+                    f"first training batches ({start:.3f}): the posterior predicts the training "
+                    "labels much worse than the network it started from; try a lower lr or a "
+                    f"smaller initial posterior spread (see `bayesify methods {family}`)",
+                    stacklevel=3)
+        if self.tensors and steps > 0:
+            moved = math.sqrt(sum(float((p.detach() - b).pow(2).sum())
+                                  for p, b in zip(self.tensors, self.begin)))
+            size = math.sqrt(sum(float(b.pow(2).sum()) for b in self.begin))
+            if moved <= self.MOVED_TOL * max(size, 1e-12):
+                warnings.warn(
+                    f"the posterior of {family!r} barely moved from its initialisation in "
+                    f"{steps} optimiser steps (relative change {moved / max(size, 1e-12):.2g} "
+                    f"< {self.MOVED_TOL:g}); raise lr or epochs", stacklevel=3)
 
 
 class HistoryLog:

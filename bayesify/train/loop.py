@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
-import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +43,12 @@ from bayesify.core.outputs import check_not_probabilities, logits_of
 from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train import evaluate as evaluation
 from bayesify.train import resume as ckpt
+from bayesify.train.budget import (  # noqa: F401 - re-exported
+    DEFAULT_MIN_STEPS,
+    EPOCHS_HELP,
+    budget_epochs,
+    default_min_steps,
+)
 from bayesify.train.context import TrainContext, TrainState
 from bayesify.train.data import TrainData
 from bayesify.train.distributed import (
@@ -56,7 +60,14 @@ from bayesify.train.distributed import (
     setup_distributed,
 )
 from bayesify.train.guard import buffers_restored_on_error
-from bayesify.train.hooks import Callback, HistoryLog, as_callback, starting_metrics, warn_if_worse
+from bayesify.train.hooks import (
+    Callback,
+    FitWatch,
+    HistoryLog,
+    as_callback,
+    starting_metrics,
+    warn_if_worse,
+)
 from bayesify.train.options import validate_fit_options
 from bayesify.train.schedules import parse_schedule
 from bayesify.train.steps import TrainForward, build_optimizer, flush_group, train_step
@@ -67,7 +78,7 @@ if TYPE_CHECKING:
 __all__ = ["FitResult", "TrainContext", "TrainState", "build_optimizer", "fit", "train_step"]
 
 
-logger = logging.getLogger("bayesify")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -89,20 +100,6 @@ class FitResult:
 
 
 #: fit options and their defaults (None: the family's default, else the fallback)
-#: the step budget of ``fit(epochs=None)``: whole epochs until this many optimiser steps
-#: (the environment variable ``BAYESIFY_MIN_STEPS`` overrides it, e.g. for quick tests)
-DEFAULT_MIN_STEPS = 300
-
-
-def default_min_steps() -> int:
-    """:data:`DEFAULT_MIN_STEPS`, or ``$BAYESIFY_MIN_STEPS`` when set (a positive integer)."""
-    value = os.environ.get("BAYESIFY_MIN_STEPS")
-    if value is None:
-        return DEFAULT_MIN_STEPS
-    if not value.isdigit() or int(value) < 1:
-        raise BayesifyError(f"BAYESIFY_MIN_STEPS must be a positive integer, got {value!r}")
-    return int(value)
-
 FIT_FALLBACKS = {"momentum": 0.9, "weight_decay": 0.0, "lr_schedule": "constant", "optimizer": "sgd"}
 
 
@@ -250,18 +247,21 @@ def fit(
                 if knob.initial is not None:
                     knob.set(knob.initial)
             step.begin(state)
-        start = (starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=state.amp)
+        start = (starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=state.amp,
+                                  progress=progress)
                  if val_loader is not None and payload is None else None)
         if step.optimizes:
             _forward(state, compile=compile, find_unused_parameters=find_unused_parameters)
         result = FitResult(history=state.history)
+        watch = FitWatch(state, fresh=payload is None)
         log = HistoryLog(log_dir, ctx)
         hooks = [as_callback(c) for c in callbacks]
         while state.epoch < state.epochs:
             # a statistics pass (no optimiser) that fails half-way leaves no half-accumulated
             # state behind: its buffers are put back (gradient steps have the step guard)
             with contextlib.nullcontext() if step.optimizes else buffers_restored_on_error(bnn):
-                record = _run_epoch(state, progress=progress and ctx.is_main, run=run, hooks=hooks)
+                record = _run_epoch(state, progress=progress and ctx.is_main, run=run, hooks=hooks,
+                                    watch=watch)
                 is_last = state.epoch + 1 == state.epochs
                 if is_last:
                     record.update(step.end(state))
@@ -271,7 +271,8 @@ def fit(
                 metrics = evaluation.evaluate_sharded(bnn, val_loader, ctx,
                                            samples_per_component=val_samples_per_component,
                                            amp=state.amp, channels_last=channels_last,
-                                           batch_fn=batch_fn)
+                                           batch_fn=batch_fn, progress=progress,
+                                           desc=f"validate epoch {state.epoch + 1}")
                 record.update({f"val_{k}": v for k, v in metrics.items() if isinstance(v, float)})
             state.history.append(record)
             state.epoch, state.step, state.totals = state.epoch + 1, 0, {}
@@ -284,6 +285,7 @@ def fit(
         if start is not None and state.history:
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
             warn_if_worse(method.name, start, state.history[-1])
+        watch.finish(state, method.name)
         return result
 
 
@@ -316,6 +318,10 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
     if state.epochs is None:
         budget = default_min_steps() if min_steps is None else min_steps
         state.epochs = budget_epochs(state.steps_per_epoch, state.grad_accum_steps, budget)
+        if ctx.is_main:
+            logger.info("fit(epochs=None): %d epoch(s) of %d batch(es) for a budget of %d "
+                        "optimiser steps (min_steps / $BAYESIFY_MIN_STEPS)", state.epochs,
+                        state.steps_per_epoch, budget)
     state.noise_generator = torch.Generator(device=ctx.device)
     state.noise_generator.manual_seed(rank_seed(seed, ctx.rank))
     if state.channels_last:
@@ -329,15 +335,6 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
         "grad_accum_steps": state.grad_accum_steps, "clip_grad_norm": state.clip_grad_norm,
     }
     return json.loads(json.dumps(options))
-
-
-def budget_epochs(batches_per_epoch: int, grad_accum_steps: int, min_steps: int) -> int:
-    """Whole epochs that reach ``min_steps`` optimiser steps (1 for a loader without a length)."""
-    if batches_per_epoch <= 0:
-        logger.info("the training loader has no length: fit(epochs=None) trains one epoch")
-        return 1
-    per_epoch = max(1, math.ceil(batches_per_epoch / max(grad_accum_steps, 1)))
-    return max(1, math.ceil(min_steps / per_epoch))
 
 
 def _forward(state: TrainContext, *, compile: bool | dict[str, Any],
@@ -375,7 +372,7 @@ def _wrap_ddp(module: nn.Module, ctx: DistContext, *, sync_buffers: bool,
 
 
 def _run_epoch(state: TrainContext, *, progress: bool, run: ckpt.Run,
-               hooks: list[Callback]) -> dict[str, Any]:
+               hooks: list[Callback], watch: FitWatch) -> dict[str, Any]:
     """One epoch of the family's step over this rank's batches; the epoch's record."""
     bnn, step = state.bnn, state.family
     assert step is not None and state.data is not None
@@ -398,6 +395,8 @@ def _run_epoch(state: TrainContext, *, progress: bool, run: ckpt.Run,
             check_labels(labels, state.num_classes, where="fit")
         check_finite_batch(batch, where=f"fit at epoch {state.epoch}, step {state.step}",
                            error=NonFiniteLossError)  # before the forward touches BN statistics
+        if state.epoch == 0:
+            watch.see(batch)
         done = state.step
         terms = step.step(batch, state)
         if state.step == done:  # a step that took no gradient step: the driver counts

@@ -16,6 +16,7 @@ accumulation and the family config are compared as fit options / identity), and
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from bayesify.train.context import TrainState
 
 __all__ = ["Run", "check_schedule", "identity", "read_for_resume", "restore", "save"]
+
+logger = logging.getLogger(__name__)
 
 
 def check_schedule(meta: dict[str, Any], state: TrainState, path: str | Path) -> None:
@@ -247,3 +250,7 @@ def restore(state: TrainState, payload: dict[str, Any], run: Run, *, path: str) 
     state.global_step = int(meta["global_step"])
     state.history[:] = list(meta.get("history", []))
     state.totals = dict(meta.get("totals") or {})
+    if ctx.is_main:
+        logger.info("resumed from %s at epoch %d, step %d of that epoch (global step %d, "
+                    "%d epoch record(s) so far)", path, state.epoch + 1, state.step,
+                    state.global_step, len(state.history))

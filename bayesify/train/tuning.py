@@ -65,7 +65,7 @@ from bayesify.train.shift import ShiftSignal, calibrate_shift, temperature_grid
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
-logger = logging.getLogger("bayesify")
+logger = logging.getLogger(__name__)
 
 Batches = Callable[[], Iterator[Batch]]
 #: temperatures searched with every knob value: 1 (the posterior as trained) up to 4, never
@@ -194,6 +194,9 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                             bnn.method_name, knob.name, values[v], chosen_t, knob.meaning)
                 if knob.settle is not None:
                     record.update(knob.settle())
+            if knob is None:
+                logger.info("%s: temperature %.3g chosen on validation", bnn.method_name,
+                            chosen_t)
             record["temperature"] = chosen_t
             record["val_nll"] = float(clean_t[v, t].mean())
             if shifted_t is not None:

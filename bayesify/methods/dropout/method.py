@@ -16,7 +16,7 @@ from bayesify.methods.dropout.layers import DropoutLayer
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
-logger = logging.getLogger("bayesify")
+logger = logging.getLogger(__name__)
 
 KNOB = "dropout_rate_scale"
 

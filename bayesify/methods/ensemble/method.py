@@ -45,7 +45,7 @@ from bayesify.methods.ensemble.layers import EnsembleLayer
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
-logger = logging.getLogger("bayesify")
+logger = logging.getLogger(__name__)
 
 
 class EnsembleMethod(MemberTemperature, TiledMethod):

@@ -1,0 +1,156 @@
+"""Issue 24, the library in a user's own stack: one default budget for every entry point,
+progress and log lines on every long phase, warnings that name the family and the fix.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bayesify import bayesify, fit
+from bayesify.cli import build_parser
+from bayesify.train.loop import DEFAULT_MIN_STEPS, EPOCHS_HELP
+
+
+def _epochs_action(parser):
+    return next(a for a in parser._actions if "--epochs" in a.option_strings)
+
+
+def test_every_entry_point_defaults_to_fits_budget_and_says_so():
+    from bayesify.demo import run_demo
+    from tests.test_imagenet_script import _script
+
+    sub = next(a for a in build_parser()._actions if isinstance(getattr(a, "choices", None), dict))
+    actions = [_epochs_action(sub.choices["fit"]), _epochs_action(sub.choices["demo"]),
+               _epochs_action(_script().build_parser(show_family=False))]
+    for action in actions:
+        assert action.default is None and action.help == EPOCHS_HELP
+    assert f"at least {DEFAULT_MIN_STEPS} optimiser steps" in EPOCHS_HELP
+    assert inspect.signature(run_demo).parameters["epochs"].default is None
+
+
+def test_cli_fit_leaves_epochs_to_fit_unless_given(tmp_path):
+    from bayesify.cli import _fit_plan
+
+    parser = build_parser()
+    args = parser.parse_args(["fit", "--data", "digits", "--out", str(tmp_path / "a")])
+    assert "epochs" not in _fit_plan(args)[1]
+    args = parser.parse_args(["fit", "--data", "digits", "--epochs", "3",
+                              "--out", str(tmp_path / "b")])
+    assert _fit_plan(args)[1]["epochs"] == 3
+
+
+def test_library_loggers_are_children_of_bayesify():
+    root = Path(__file__).resolve().parents[1] / "bayesify"
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        assert 'getLogger("bayesify")' not in text, f"{path}: use logging.getLogger(__name__)"
+    from bayesify.train import loop, tuning
+
+    assert {loop.logger.name, tuning.logger.name} == {"bayesify.train.loop", "bayesify.train.tuning"}
+
+
+# -- progress and log lines ------------------------------------------------------------------
+def _tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3)).eval()
+
+
+def _tiny_data(n: int = 48, batch_size: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def _messages(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("bayesify."))
+
+
+def test_fit_evaluate_calibrate_export_resume_say_what_they_did(tmp_path, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="bayesify")
+    monkeypatch.setenv("BAYESIFY_MIN_STEPS", "13")  # 6 batches per epoch: 3 epochs
+    loader = _tiny_data()
+    bnn = bayesify(_tiny_model(), "ibnn", components=2)
+    fit(bnn, loader, checkpoint_dir=tmp_path / "ckpt", keep_checkpoints=3, progress=False)
+    text = _messages(caplog)
+    assert "3 epoch(s) of 6 batch(es) for a budget of 13 optimiser steps" in text
+    first = min((tmp_path / "ckpt").glob("epoch0001-*.ckpt"))
+    fit(bnn, loader, resume=first, progress=False)
+    assert f"resumed from {first} at epoch 2, step 0" in _messages(caplog)
+
+    predictor = bnn.predictor()
+    predictor.evaluate(loader, progress=False)
+    assert "evaluate (ibnn): done in" in _messages(caplog)
+    result = predictor.calibrate(loader, progress=False)
+    assert f"calibrate: temperature {result.temperature:.4g}" in _messages(caplog)
+    pytest.importorskip("torch.export")
+    predictor.export(tmp_path / "m.pt2", torch.randn(2, 4))
+    assert f"export: wrote {tmp_path / 'm.pt2'} in" in _messages(caplog)
+
+
+def test_bars_only_on_rank_zero_and_when_asked(monkeypatch):
+    from bayesify.progress import progress_bar
+
+    assert not progress_bar(range(3), "x").disable
+    assert progress_bar(range(3), "x", enabled=False).disable
+    monkeypatch.setenv("RANK", "1")
+    assert progress_bar(range(3), "x").disable
+
+
+# -- warnings that name the family and the fix -----------------------------------------------
+def _pretrained() -> tuple[nn.Module, DataLoader]:
+    torch.manual_seed(0)
+    x = torch.randn(200, 4)
+    y = (x[:, 0] > 0).long()
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    for _ in range(200):  # near-perfect on this split: a training NLL near 0
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return net.eval(), DataLoader(TensorDataset(x, y), batch_size=50, shuffle=True)
+
+
+def _fit_warnings(bnn, data, **kwargs) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(bnn, data, progress=False, **kwargs)
+    return [str(w.message) for w in caught]
+
+
+def test_a_posterior_that_did_not_move_warns(monkeypatch):
+    monkeypatch.setenv("BAYESIFY_MIN_STEPS", "8")
+    net, data = _pretrained()
+    said = _fit_warnings(bayesify(net, "ibnn"), data, lr=1e-12)
+    assert any("the posterior of 'ibnn' barely moved from its initialisation in 8 optimiser "
+               "steps" in m and "raise lr or epochs" in m for m in said), said
+    # the family's own lr moves it: no such warning
+    said = _fit_warnings(bayesify(net, "ibnn"), data)
+    assert not any("barely moved" in m for m in said), said
+
+
+def test_a_snapshot_family_is_not_watched_for_moving(monkeypatch):
+    monkeypatch.setenv("BAYESIFY_MIN_STEPS", "8")
+    net, data = _pretrained()
+    said = _fit_warnings(bayesify(net, "swag"), data, lr=1e-12)
+    assert not any("barely moved" in m for m in said), said
+
+
+def test_a_training_nll_far_above_the_start_warns(monkeypatch):
+    monkeypatch.setenv("BAYESIFY_MIN_STEPS", "8")
+    net, data = _pretrained()
+    # component means far from 1 and an lr too small to bring them back
+    said = _fit_warnings(bayesify(net, "ibnn", init_mean_std=3.0), data, lr=1e-8)
+    assert any("fit of 'ibnn': the mean training NLL of the last epoch" in m
+               and "lower lr" in m for m in said), said
+    said = _fit_warnings(bayesify(net, "ibnn"), data)
+    assert not any("mean training NLL" in m for m in said), said
