@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "bayesify"
 
 FLOORS: list[tuple[int, tuple[str, ...]]] = [
-    (1, ("bayesify.errors", "bayesify.metrics", "bayesify.version", "bayesify.atomic_files")),
+    (1, ("bayesify.errors", "bayesify.metrics", "bayesify.version", "bayesify.atomic_files",
+         "bayesify.progress")),
     (2, ("bayesify.core",)),
     (3, ("bayesify.kit",)),
     (4, ("bayesify.methods",)),
