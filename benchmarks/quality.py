@@ -303,7 +303,10 @@ def frontier_png(summary: dict[str, Any], path: Path) -> None:
             continue
         xs, ys = search[f"{knob}_val_nll"], search[f"{knob}_shift_nll"]
         bx.plot(xs, ys, "-o", ms=3, label=f"{name.replace('bayesify:', '')} ({knob})")
-        chosen = search[f"{knob}_grid"].index(search[knob])
+        value = search[knob][0] if isinstance(search[knob], list) else search[knob]
+        grid = search[f"{knob}_grid"]
+        chosen = min(range(len(grid)), key=lambda i: abs(math.log(grid[i] + 1e-12)
+                                                         - math.log(value + 1e-12)))
         bx.scatter([xs[chosen]], [ys[chosen]], s=60, facecolors="none", edgecolors="k")
     bx.set_xlabel("clean validation NLL (at the chosen temperature)")
     bx.set_ylabel("shifted validation NLL")
