@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify.errors import BayesifyError
-from bayesify.train.intent import trainable_base_parameters
 from bayesify.train.loop import FIT_FALLBACKS
+from bayesify.train.steps import optimiser_groups
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -44,17 +44,8 @@ def param_groups(bnn: BayesianModel, *, lr: float | None = None, base_lr: float 
     (default :func:`posterior_lr`) and, with ``base_lr > 0``, the base weights you left
     trainable. With ``base_lr == 0`` the base stays frozen, as in ``fit``."""
     lr = posterior_lr(bnn) if lr is None else float(lr)
-    groups = bnn.method.step().param_groups(bnn, lr=lr, weight_decay=weight_decay)
-    if base_lr > 0:
-        groups.append({"params": trainable_base_parameters(bnn), "lr": base_lr,
-                       "weight_decay": base_weight_decay, "name": "base"})
-    else:
-        bnn.set_base_trainable(False)
-    if not any(g["params"] for g in groups):
-        raise BayesifyError(
-            f"method {bnn.method_name!r} has no trainable posterior parameters (e.g. dropout "
-            "with train_weights=False, or a post-hoc family); nothing to optimise: call "
-            "bayesify.tune(bnn, val_loader) directly, or use base_lr > 0")
+    groups = optimiser_groups(bnn, bnn.method.step(), lr=lr, weight_decay=weight_decay,
+                              base_lr=base_lr, base_weight_decay=base_weight_decay)
     return groups
 
 

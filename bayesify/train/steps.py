@@ -58,6 +58,25 @@ class TrainForward(nn.Module):
         return self.step.terms(self.bnn, inputs, y, self.generator)
 
 
+def optimiser_groups(bnn: BayesianModel, step: Step, *, lr: float, weight_decay: float,
+                     base_lr: float, base_weight_decay: float) -> list[dict[str, Any]]:
+    """The family's posterior group(s) at ``lr`` and, with ``base_lr > 0``, the base weights
+    the user left trainable (``bayesify.train.intent``); with ``base_lr == 0`` the base is
+    frozen. No trainable parameter at all is an error."""
+    groups = step.param_groups(bnn, lr=lr, weight_decay=weight_decay)
+    if base_lr > 0:
+        groups.append({"params": trainable_base_parameters(bnn), "lr": base_lr,
+                       "weight_decay": base_weight_decay, "name": "base"})
+    else:
+        bnn.set_base_trainable(False)
+    if not any(g["params"] for g in groups):
+        raise BayesifyError(
+            f"method {bnn.method_name!r} has no trainable posterior parameters (e.g. dropout "
+            "with train_weights=False, or a post-hoc family); nothing to optimise: call "
+            "bayesify.tune(bnn, val_loader) directly, or use base_lr > 0")
+    return groups
+
+
 def build_optimizer(
     bnn: BayesianModel,
     *,
@@ -71,19 +90,9 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Posterior group(s) from the family's step (large LR, no weight decay) + base group
     if ``base_lr > 0``."""
-    step = step if step is not None else bnn.method.step()
-    groups = step.param_groups(bnn, lr=lr, weight_decay=weight_decay)
-    if base_lr > 0:
-        # only what the user left trainable (bayesify.train.intent)
-        groups.append({"params": trainable_base_parameters(bnn), "lr": base_lr,
-                       "weight_decay": base_weight_decay, "name": "base"})
-    else:
-        bnn.set_base_trainable(False)
-    if not any(g["params"] for g in groups):
-        raise BayesifyError(
-            f"method {bnn.method_name!r} has no trainable parameters; use base_lr > 0 "
-            "or a gradient-trained family"
-        )
+    groups = optimiser_groups(bnn, step if step is not None else bnn.method.step(), lr=lr,
+                              weight_decay=weight_decay, base_lr=base_lr,
+                              base_weight_decay=base_weight_decay)
     if optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0)
     if optimizer == "adam":
