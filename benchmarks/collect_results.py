@@ -34,9 +34,9 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
      "and the starting network."), [
         Part("issue13.md", "Defaults on a pretrained network, every family",
              "python benchmarks/defaults.py --seeds 0 1 2"),
-        Part("quality.md", "Against peers on the digits protocol (MAP, deep ensemble, "
-             "other libraries)", "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 "
-             "--threads 1 && python benchmarks/quality_table.py"),
+        Part("quality.md", "Every family's defaults under shift, against the starting network, "
+             "a deep ensemble and other libraries (noisy-digits protocol, mnf included)",
+             "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1"),
         Part("issue7.md", "Temperature scaling, every family",
              "python benchmarks/issue7.py --out benchmarks/results/issue7.json",
              section="## Temperature scaling"),
