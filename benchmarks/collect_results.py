@@ -34,6 +34,9 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
      "and the starting network."), [
         Part("issue13.md", "Defaults on a pretrained network, every family",
              "python benchmarks/defaults.py --seeds 0 1 2"),
+        Part("issue21.md", "What the step budget and the shift-aware knob search bought, and "
+             "why it is not more", "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 "
+             "--threads 1 (the figures); the text is written by hand"),
         Part("quality.md", "Every family's defaults under shift, against the starting network, "
              "a deep ensemble and other libraries (noisy-digits protocol, mnf included)",
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1"),
