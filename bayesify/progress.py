@@ -29,10 +29,10 @@ def is_rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def progress_bar(iterable: Iterable, desc: str, *, enabled: bool = True,
+def progress_bar(iterable: Iterable | None, desc: str, *, enabled: bool = True,
                  total: int | None = None) -> Any:
-    """``iterable`` behind a ``tqdm`` bar (``leave=False``): off when ``enabled`` is false
-    and on every rank but 0."""
+    """``iterable`` behind a ``tqdm`` bar (``leave=False``; ``None`` with ``total``: a bar
+    advanced by hand with ``update``): off when ``enabled`` is false and on every rank but 0."""
     from tqdm.auto import tqdm
 
     return tqdm(iterable, desc=desc, total=total, disable=not (enabled and is_rank_zero()),

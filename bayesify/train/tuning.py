@@ -45,13 +45,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from bayesify.core.batch import Batch, BatchFn, call_model
 from bayesify.core.fitting import Knob
 from bayesify.core.outputs import logits_of
 from bayesify.core.selection import choose_joint
 from bayesify.errors import BayesifyError
+from bayesify.progress import progress_bar
 from bayesify.train.data import shard_batches
 from bayesify.train.distributed import (
     DistContext,
@@ -159,9 +159,9 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                        "shift": "shift_loader" if shift_batches is not None
                        else (shift.describe() if shift is not None else {})})
         plan = knobs or [None]
-        bar = tqdm(total=sum(len(k.grid) if k is not None else 1 for k in plan),
-                   desc=f"{bnn.method_name} validation search",
-                   disable=not (progress and ctx.is_main), leave=False, dynamic_ncols=True)
+        bar = progress_bar(None, f"{bnn.method_name} validation search",
+                           enabled=progress and ctx.is_main,
+                           total=sum(len(k.grid) if k is not None else 1 for k in plan))
         for knob in plan:
             values = [float(v) for v in knob.grid] if knob is not None else [math.nan]
             clean, shifted = [], []
