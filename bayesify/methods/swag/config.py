@@ -63,7 +63,7 @@ class SWAGConfig(MethodConfig):
         1.0, "Fraction of the training batches used to recompute BatchNorm statistics "
         "after every sampled network (0 keeps the statistics of the mean network)."
     )
-    predict_samples: int = option(30, "N: sampled networks at prediction ('swa': always 1).")
+    predict_samples: int = option(10, "N: sampled networks at prediction ('swa': always 1).")
     min_variance: float = option(1e-30, "Floor of the diagonal variance mean(θ²) − mean(θ)².")
     vectorize: bool = option(
         True, "Evaluate a chunk of sampled networks with torch.func.vmap (falls back to a "
