@@ -307,7 +307,7 @@ class TrackedLoader:
 
     def __iter__(self):
         for start in range(0, len(self.x), self.batch_size):
-            gc.collect()
+            gc.collect(0)  # the young generation: a cycle holding a batch is young
             xb = self.x[start:start + self.batch_size].clone()
             self.live.add(xb)
             self.peak = max(self.peak, len(self.live))
