@@ -187,17 +187,6 @@ def _changes_inputs(batch: Batch, kind: str) -> bool:
     return any(not torch.equal(a, b) for a, b in zip(batch.tensors(), shifted.tensors()))
 
 
-def nll_by_temperature(log_probs_fn: Callable[[float], torch.Tensor], labels: torch.Tensor,
-                       temperatures: Sequence[float]) -> torch.Tensor:
-    """``[len(temperatures), B]`` per-example NLL of a predictive at every temperature
-    (``log_probs_fn(T)`` → log predictive probabilities ``[B, C]``)."""
-    rows = []
-    for t in temperatures:
-        lp = log_probs_fn(t)
-        rows.append(-lp.gather(1, labels.view(-1, 1)).squeeze(1).double().cpu())
-    return torch.stack(rows)
-
-
 def temperature_grid(low: float = 0.5, high: float = 4.0, count: int = 13) -> list[float]:
     """Log-spaced temperatures (1 included when the range covers it)."""
     values = {round(math.exp(math.log(low) + i * (math.log(high) - math.log(low)) / (count - 1)), 6)

@@ -1,0 +1,145 @@
+"""The knob search's robustness signal: perturbations, their calibrated strength, the joint rule.
+
+* every perturbation against its formula (noise scaled by the batch std, mask = positional
+  mean, mix = convex combination with the permuted batch), level 0 the identity;
+* token inputs: masks, type ids and the first token untouched, padding never changed;
+* ``calibrate_shift`` picks, per kind, the smallest ladder level at which the start's
+  accuracy falls to half-way between chance and its clean accuracy (brute force);
+* ``choose_joint`` against a brute force of its rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bayesify.core.batch import Batch
+from bayesify.core.selection import choose_joint
+from bayesify.train.shift import LADDERS, ShiftSignal, calibrate_shift, perturb
+
+
+def _batch(x: torch.Tensor, y: torch.Tensor | None = None, **kwargs) -> Batch:
+    return Batch((x,) if x is not None else (), kwargs, y)
+
+
+def test_level_zero_is_the_identity_and_labels_are_kept():
+    b = _batch(torch.randn(6, 3), torch.arange(6))
+    for kind in LADDERS:
+        assert perturb(b, kind, 0.0, seed=1) is b
+        shifted = perturb(b, kind, 0.5, seed=1)
+        assert torch.equal(shifted.labels, b.labels)
+        assert not torch.equal(shifted.args[0], b.args[0])
+
+
+def test_float_perturbations_follow_their_formulas():
+    torch.manual_seed(0)
+    x = torch.randn(8, 5) * 3 + 1
+    b = _batch(x)
+    noisy = perturb(b, "noise", 2.0, seed=3).args[0]
+    g = torch.Generator().manual_seed(3)
+    torch.randperm(8, generator=g)  # the permutation is drawn first
+    eps = torch.randn(x.shape, generator=g)
+    torch.testing.assert_close(noisy, x + 2.0 * x.std() * eps)
+
+    masked = perturb(b, "mask", 0.5, seed=4).args[0]
+    changed = masked != x
+    assert 0 < changed.float().mean() < 1
+    mean = x.mean(0, keepdim=True).expand_as(x)
+    torch.testing.assert_close(masked[changed], mean[changed])
+
+    mixed = perturb(b, "mix", 0.25, seed=5).args[0]
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(mixed, 0.75 * x + 0.25 * x[perm])
+
+
+def test_tokens_are_replaced_but_structure_and_padding_are_not():
+    torch.manual_seed(0)
+    ids = torch.randint(5, 1000, (6, 12))
+    mask = torch.ones(6, 12, dtype=torch.long)
+    mask[:, 9:] = 0  # padding
+    types = torch.zeros(6, 12, dtype=torch.long)
+    b = Batch((), {"input_ids": ids, "attention_mask": mask, "token_type_ids": types},
+              torch.arange(6))
+    assert torch.equal(perturb(b, "noise", 8.0, seed=0).kwargs["input_ids"], ids)
+    out = perturb(b, "mask", 0.9, seed=0).kwargs
+    assert torch.equal(out["attention_mask"], mask) and torch.equal(out["token_type_ids"], types)
+    new = out["input_ids"]
+    assert torch.equal(new[:, 0], ids[:, 0])          # the [CLS]-like first token
+    assert torch.equal(new[:, 9:], ids[:, 9:])        # padding positions
+    assert (new[:, 1:9] != ids[:, 1:9]).float().mean() > 0.5
+
+
+def test_signal_copies_are_reproducible_per_batch_position():
+    b = _batch(torch.randn(4, 3))
+    signal = ShiftSignal({"noise": 1.0, "mix": 0.5}, seed=7)
+    first, again = signal.copies(b, 2), signal.copies(b, 2)
+    assert len(first) == 2
+    for a, c in zip(first, again):
+        assert torch.equal(a.args[0], c.args[0])
+    assert not torch.equal(signal.copies(b, 3)[0].args[0], first[0].args[0])
+
+
+def test_calibrated_strength_is_the_smallest_level_reaching_the_target():
+    torch.manual_seed(0)
+    classes, n = 4, 256
+    y = torch.randint(0, classes, (n,))
+    x = torch.nn.functional.one_hot(y, classes).float() * 3.0 + 0.3 * torch.randn(n, classes)
+    batches = [_batch(x[i:i + 32], y[i:i + 32]) for i in range(0, n, 32)]
+
+    def logits(b: Batch) -> torch.Tensor:
+        return b.args[0]
+
+    signal = calibrate_shift(logits, lambda: iter(batches), seed=11)
+
+    def accuracy(kind: str, level: float) -> float:
+        hits = sum(float((perturb(b, kind, level, seed=11 + 1009 * i).args[0].argmax(-1)
+                          == b.labels).sum()) for i, b in enumerate(batches))
+        return hits / n
+
+    clean = float((x.argmax(-1) == y).float().mean())
+    target = 1 / classes + 0.5 * (clean - 1 / classes)
+    for kind, ladder in LADDERS.items():
+        expected = next((lv for lv in ladder if accuracy(kind, lv) <= target), ladder[-1])
+        assert signal.levels[kind] == expected, (kind, signal.levels)
+    assert signal.levels["noise"] > LADDERS["noise"][0]  # the check is not trivially the first
+
+
+def _brute_force(clean, shifted, reference, grid, prefer):
+    values, temps, n = clean.shape
+    feasible = {}
+    for v in range(values):
+        for t in range(temps):
+            d = clean[v, t] - reference
+            feasible[v, t] = float(d.mean()) <= float(d.std() / math.sqrt(n))
+    pool = [k for k, ok in feasible.items() if ok]
+    if not pool:
+        flat = int(clean.mean(-1).argmin())
+        return flat // temps, flat % temps
+    best = min(float(shifted[v, t].mean()) for v, t in pool)
+    ties = [(v, t) for v, t in pool if float(shifted[v, t].mean()) <= best + 1e-9]
+    v = (max if prefer == "largest" else min)(ties, key=lambda k: grid[k[0]])[0]
+    t = min((k for k in ties if k[0] == v), key=lambda k: float(shifted[k].mean()))[1]
+    return v, t
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_choose_joint_matches_a_brute_force_of_its_rule(seed):
+    g = torch.Generator().manual_seed(seed)
+    values, temps, n = 5, 3, 40
+    reference = torch.rand(n, generator=g, dtype=torch.float64)
+    clean = reference + 0.05 * torch.randn(values, temps, n, generator=g, dtype=torch.float64) \
+        + 0.02 * torch.arange(values, dtype=torch.float64).view(-1, 1, 1)
+    shifted = torch.rand(values, temps, n, generator=g, dtype=torch.float64) * 2
+    grid = [0.0, 0.25, 0.5, 1.0, 2.0]
+    got = choose_joint(clean, shifted, reference, prefer="largest", grid=grid)
+    assert got == _brute_force(clean, shifted, reference, grid, "largest")
+
+
+def test_choose_joint_falls_back_to_the_lowest_clean_nll_when_nothing_is_feasible():
+    reference = torch.zeros(10, dtype=torch.float64)
+    clean = torch.ones(3, 2, 10, dtype=torch.float64) + torch.tensor([[0.5, 0.2], [0.1, 0.9],
+                                                                       [0.3, 0.4]]).unsqueeze(-1)
+    shifted = torch.zeros(3, 2, 10, dtype=torch.float64)
+    assert choose_joint(clean, shifted, reference, grid=[0, 1, 2]) == (1, 0)
