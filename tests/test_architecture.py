@@ -4,14 +4,14 @@
   floor or floors below (function-local imports included, and ``if TYPE_CHECKING:``
   imports too: a type is a dependency). Floors, bottom up::
 
-      1 errors, metrics, version
+      1 errors, metrics, version, atomic_files, progress
       2 core            (batch convention, walker, layers, model, state, Method, fitting types)
       3 kit             (family kit: tiled / rank-1 / weight-space layers, knobs, steps)
       4 methods/<name>  (each family: its own folder + core, kit, errors, metrics)
-      5 predict, persistence, data
-      6 train           (the one epoch driver, fit context, knob search)
-      7 evaluation, acquisition, demo
-      8 cli, cli_inputs, the package itself (``bayesify/__init__``: the public API)
+      5 predict, persistence, posterior_format, posterior_commit, data, plots
+      6 train           (the one epoch driver, fit context, knob search, shift signal)
+      7 evaluation, acquisition, demo, integrations
+      8 cli, cli_inputs, entry, the package itself (``bayesify/__init__``: the public API)
 
 * **No cycle** in the module import graph. Imports under ``if TYPE_CHECKING:`` never run
   and are left out of the cycle check only (two modules may name each other's types).
