@@ -31,7 +31,6 @@ same data-free rule holds for pixels, features and tokens.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,12 +184,3 @@ def calibrate_shift(logits_fn: Callable[[Batch], torch.Tensor],
 def _changes_inputs(batch: Batch, kind: str) -> bool:
     shifted = perturb(batch, kind, LADDERS[kind][-1], seed=0)
     return any(not torch.equal(a, b) for a, b in zip(batch.tensors(), shifted.tensors()))
-
-
-def temperature_grid(low: float = 0.5, high: float = 4.0, count: int = 13) -> list[float]:
-    """Log-spaced temperatures (1 included when the range covers it)."""
-    values = {round(math.exp(math.log(low) + i * (math.log(high) - math.log(low)) / (count - 1)), 6)
-              for i in range(count)}
-    if low <= 1.0 <= high:
-        values.add(1.0)
-    return sorted(values)

@@ -49,8 +49,9 @@ import torch.nn.functional as F
 from bayesify.core.batch import Batch, BatchFn, call_model
 from bayesify.core.fitting import Knob
 from bayesify.core.outputs import logits_of
-from bayesify.core.selection import choose_joint
+from bayesify.core.selection import choose_joint, log_grid
 from bayesify.errors import BayesifyError
+from bayesify.metrics import per_example_nll
 from bayesify.progress import progress_bar
 from bayesify.train.data import shard_batches
 from bayesify.train.distributed import (
@@ -60,7 +61,7 @@ from bayesify.train.distributed import (
     current_context,
     naming_unresponsive_ranks,
 )
-from bayesify.train.shift import ShiftSignal, calibrate_shift, temperature_grid
+from bayesify.train.shift import ShiftSignal, calibrate_shift
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -72,7 +73,7 @@ Batches = Callable[[], Iterator[Batch]]
 #: below 1 — sharpening is what a small or nearly perfectly classified validation split
 #: rewards and what costs most under shift (on digits, T = 0.5–0.7 chosen on clean data
 #: doubled the NLL under noise); the starting network's reference uses the same range
-TEMPERATURES: tuple[float, ...] = tuple(temperature_grid(1.0, 4.0, 9))
+TEMPERATURES: tuple[float, ...] = tuple(log_grid((1.0, 4.0, 9)))
 
 
 def _gather(parts: list[torch.Tensor], ctx: DistContext) -> torch.Tensor:
@@ -88,7 +89,7 @@ def _gather(parts: list[torch.Tensor], ctx: DistContext) -> torch.Tensor:
 def _nll_by_temperature(log_probs_at: Callable[[float], torch.Tensor],
                         labels: torch.Tensor) -> torch.Tensor:
     """``[T, B]`` per-example NLL at every temperature of :data:`TEMPERATURES`."""
-    rows = [-log_probs_at(t).gather(1, labels.view(-1, 1)).squeeze(1) for t in TEMPERATURES]
+    rows = [per_example_nll(log_probs_at(t), labels) for t in TEMPERATURES]
     return torch.stack(rows).double().cpu()
 
 
@@ -194,7 +195,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                             bnn.method_name, knob.name, values[v], chosen_t, knob.meaning)
                 if knob.settle is not None:
                     record.update(knob.settle())
-            if knob is None:
+            else:
                 logger.info("%s: temperature %.3g chosen on validation", bnn.method_name,
                             chosen_t)
             record["temperature"] = chosen_t
