@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from bayesify import bayesify, fit
+from bayesify.train.budget import EPOCHS_HELP
 
 TOPICS: dict[str, dict[str, list[str]]] = {
     "sports": {
@@ -193,7 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None,
                         help="keep only the first N encoder layers (default: all 6)")
     parser.add_argument("--head-epochs", type=int, default=6)
-    parser.add_argument("--epochs", type=int, default=3, help="posterior fit epochs")
+    parser.add_argument("--epochs", type=int, default=None, help=EPOCHS_HELP)
     parser.add_argument("--components", type=int, default=2)
     parser.add_argument("--samples", type=int, default=2, help="samples per component")
     parser.add_argument("--batch-size", type=int, default=16)
@@ -231,7 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.method == "laplace":
         options = {"targets": "last_layer"}
     bnn = bayesify(model, args.method, **options)
-    fit(bnn, train, epochs=args.epochs, progress=False, seed=args.seed)
+    record = fit(bnn, train, epochs=args.epochs, val_loader=val, progress=False,
+                 seed=args.seed).last
     predictor = bnn.predictor(samples_per_component=args.samples)
     calibration = predictor.calibrate(val)
     metrics = predictor.evaluate(test, ood)
@@ -258,6 +260,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "method": args.method, "sentences": {"train": len(train_rows), "val": len(val_rows),
                                              "test": len(test_rows), "ood": len(ood_rows)},
         "temperature": float(predictor.temperature),
+        "search": {k: v for k, v in record.items()
+                   if isinstance(v, (int, float, str)) and not k.startswith("val_")},
         "calibration": calibration if isinstance(calibration, dict) else str(calibration),
         "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
         "export": {k: info[k] for k in ("path", "members", "inputs", "dynamic_axes", "max_abs_diff")},
