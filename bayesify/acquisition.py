@@ -234,9 +234,10 @@ def _configurations(
 
 
 def collect_member_probs(predictor: BasePredictor, loader: Iterable) -> torch.Tensor:
-    """``[M, N, C]`` softmax of the predictor's (temperature-scaled) member logits."""
+    """``[M, N, C]`` softmax of the predictor's member logits: the posterior's members
+    (the predictor's temperature acts on the predictive, not on them)."""
     logits, _ = predictor.collect(loader)
-    return (logits.float() / predictor.temperature).softmax(-1)
+    return logits.float().softmax(-1)
 
 
 def select(

@@ -262,6 +262,9 @@ def _add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help="directory for calibration.json and calibration_reliability.png "
                              "(default: the --posterior directory, so evaluate/export use it)")
+    parser.add_argument("--force", action="store_true",
+                        help="re-fit a temperature that the validation search of `fit` chose "
+                             "(refused otherwise: the search saw shift, calibration does not)")
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
@@ -272,12 +275,19 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     model, bundle, _ = resolve(args)
     args.temperature = 1.0 if args.temperature is None else args.temperature
     predictor = load_predictor(args, model)
+    bnn = getattr(predictor, "bnn", None)
+    if bnn is not None and bnn.temperature_source == "search" and not args.force:
+        raise BayesifyError(
+            f"calibrate: the temperature of {args.posterior} "
+            f"({bnn.state.value('temperature'):.4g}) was chosen by fit's validation search with "
+            "the posterior's knob, on clean and shifted data; a clean-only re-fit would undo "
+            "it. Use the posterior as it is, or pass --force to calibrate anyway")
     loaders = bundle.loaders(batch_size=args.batch_size, seed=args.seed, workers=args.workers)
     staged = StagedOutput(out)
     with staged as stage:
         plot = stage / "calibration_reliability.png" if is_main() else None
         result = predictor.calibrate(loaders["val"], method=args.calibration, plot=plot,
-                                     progress=show_progress(args))
+                                     progress=show_progress(args), force=True)
         test_logits, test_labels = predictor.collect(loaders["test"], where="calibrate (test)",
                                                      progress=show_progress(args))
         payload = calibration_record(result, args.posterior)  # tied to this posterior

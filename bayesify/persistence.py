@@ -113,6 +113,9 @@ def build_manifest(bnn: BayesianModel, tensors: dict[str, torch.Tensor], buffer_
         "posterior_sha256": posterior_sha256,
         "dtypes": dtype_record(bnn),
         "output_fn": output_fn_record(output_fn_of(bnn.model)),
+        # the saved temperature acts on the predictive: softmax(log p̄ / T)
+        "temperature_kind": TEMPERATURE_KIND,
+        "temperature_source": getattr(bnn, "temperature_source", "default"),
     }
     try:  # numpy / torch scalars in a config become plain numbers
         manifest = json.loads(json.dumps(manifest, default=_json_default, allow_nan=False))
@@ -230,7 +233,7 @@ def check_against_header(manifest: dict[str, Any], header: dict[str, tuple[str, 
 
 
 def load_posterior(base_model: nn.Module, directory: str | os.PathLike, *,
-                   output_fn: Any = None) -> BayesianModel:
+                   output_fn: Any = None, old_temperature: str = "refuse") -> BayesianModel:
     """Rebuild the saved posterior around ``base_model`` (copied) and load it strictly.
 
     Raises :class:`BayesifyError` when the manifest is malformed, the base weights
@@ -241,6 +244,12 @@ def load_posterior(base_model: nn.Module, directory: str | os.PathLike, *,
     when it was saved (``.half()``, ``.double()``) are restored. ``output_fn``: the
     function the posterior was fitted with when it was a callable (a name or index
     is stored in the manifest and re-applied without it).
+
+    The saved temperature acts on the predictive (``softmax(log p̄ / T)``; manifest key
+    ``temperature_kind: "predictive"``). A posterior saved before that (no key) whose
+    temperature is not 1 divided the members' logits — a different predictive — and is
+    refused; ``old_temperature="reset"`` loads it at temperature 1 (then re-run ``tune`` or
+    ``calibrate``). At temperature 1 both kinds are the same predictive and load as is.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load as deserialise
@@ -293,8 +302,39 @@ def load_posterior(base_model: nn.Module, directory: str | os.PathLike, *,
     expected = dict(bnn.named_posterior_parameters())
     expected.update(dict(bnn.named_posterior_buffers()))
     _load_tensors(bnn, expected, {k: v for k, v in tensors.items() if k not in base_names})
+    _check_temperature_kind(bnn, manifest, old_temperature, directory / MANIFEST_FILE)
     bnn.eval()
     return bnn
+
+
+#: where a saved temperature acts (see load_posterior)
+TEMPERATURE_KIND = "predictive"
+
+
+def _check_temperature_kind(bnn: BayesianModel, manifest: dict[str, Any], old: str,
+                            where: Path) -> None:
+    """Refuse (or, ``old="reset"``, reset to 1) a temperature of the older member-logit kind;
+    restore who chose the temperature."""
+    if old not in ("refuse", "reset"):
+        raise BayesifyError(f"old_temperature must be 'refuse' or 'reset', got {old!r}")
+    kind = manifest.get("temperature_kind")
+    if kind not in (None, TEMPERATURE_KIND):
+        raise BayesifyError(f"{where}: unknown temperature_kind {kind!r}; this bayesify reads "
+                            f"{TEMPERATURE_KIND!r} (is the posterior from a newer version?)")
+    source = manifest.get("temperature_source", "default")
+    bnn.temperature_source = source if source in ("default", "search", "calibrate") else "default"
+    saved = bnn.state.value("temperature")
+    if kind is None and saved != 1.0:
+        if old == "refuse":
+            raise BayesifyError(
+                f"{where}: this posterior was saved by an older bayesify with temperature "
+                f"T = {saved:.4g} dividing the members' logits (or the Gaussian's moments); the "
+                "temperature now acts on the predictive's log-probabilities, softmax(log p̄ / T), "
+                "a different predictive, so it is not reinterpreted. Load it with "
+                "load_posterior(base_model, dir, old_temperature='reset') (temperature 1) and "
+                "re-run bayesify.tune(bnn, val_loader) or calibrate, then save it again")
+        bnn.state.set("temperature", 1.0)
+        bnn.temperature_source = "default"
 
 
 def _output_fn_to_load(manifest: dict[str, Any], given: Any, where: Path) -> Any:

@@ -14,21 +14,29 @@ from bayesify.predict.calibration import fit_temperature, mixture_nll
 
 
 def _synthetic(n: int = 1500, m: int = 3, c: int = 6, t_true: float = 2.5, seed: int = 0):
-    """Member logits around shared logits z; labels drawn from the mixture at T = t_true."""
+    """Member logits around shared logits z; labels drawn from the tempered mixture
+    ``softmax(log p̄ / t_true)`` (the temperature acts on the predictive)."""
     g = torch.Generator().manual_seed(seed)
     z = 3.0 * torch.randn(n, c, generator=g)
     members = z + 0.5 * torch.randn(m, n, c, generator=g)
-    probs = (members / t_true).softmax(-1).mean(0)
+    probs = (members.softmax(-1).mean(0).log() / t_true).softmax(-1)
     labels = torch.multinomial(probs, 1, generator=g).squeeze(-1)
     return members, labels
 
 
-def test_mixture_nll_matches_metrics_at_every_temperature():
+def test_mixture_nll_is_the_tempered_predictive_at_every_temperature():
+    """−log of p̄^(1/T) / Σ_c p̄^(1/T), p̄ the members' mean probability (brute force in
+    float64): the temperature acts on the predictive, not on the members' logits."""
     logits, labels = _synthetic(n=200)
+    mean = logits.double().softmax(-1).mean(0)
     for t in (0.3, 1.0, 4.0):
-        expected = metrics.nll_from_member_logits(logits / t, labels)
+        powered = mean ** (1.0 / t)
+        expected = -(powered / powered.sum(-1, keepdim=True)).log()[torch.arange(200), labels]
         got = mixture_nll(logits, labels, torch.tensor(math.log(t))).item()
-        assert got == pytest.approx(expected, rel=1e-5)
+        assert got == pytest.approx(expected.mean().item(), rel=1e-5)
+    member_level = metrics.nll_from_member_logits(logits / 0.3, labels)
+    assert mixture_nll(logits, labels, torch.tensor(math.log(0.3))).item() != pytest.approx(
+        member_level, rel=1e-3)
 
 
 def test_fit_temperature_recovers_the_generating_temperature_and_is_stationary():
@@ -43,7 +51,7 @@ def test_fit_temperature_recovers_the_generating_temperature_and_is_stationary()
 
 
 def test_fit_temperature_below_one_for_overconfident_members():
-    logits, labels = _synthetic(t_true=0.4)
+    logits, labels = _synthetic(n=4000, t_true=0.4)
     assert fit_temperature(logits, labels) == pytest.approx(0.4, rel=0.1)
 
 
@@ -67,7 +75,8 @@ def test_calibrate_lowers_val_nll_and_is_applied_everywhere(digits, digits_map, 
     assert after["ece"] == pytest.approx(result.ece_after, abs=1e-6)
     x = digits.val.tensors[0][:7]
     raw = predictor.member_logits(x)
-    expected = metrics.mixture_log_probs(raw / result.temperature).exp()
+    # the temperature acts on the predictive: softmax(log p̄ / T)
+    expected = (metrics.mixture_log_probs(raw) / result.temperature).softmax(-1)
     torch.testing.assert_close(predictor(x).probs, expected)
     assert (tmp_path / "rel.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -53,6 +53,10 @@ class BayesianModel(nn.Module):
         self.base_digests = dict(base_digests or {})
         self.state = PosteriorState()
         self.state.add("temperature", torch.ones((), dtype=torch.float64))
+        #: who set ``state.temperature`` (a predictive-level temperature, softmax(log p̄ / T)):
+        #: "default" (1), "search" (the validation knob × T search: ``calibrate`` then refuses
+        #: to move it without ``force=True``) or "calibrate"; saved in the manifest
+        self.temperature_source = "default"
         #: per-model caches and data sources of the family: never saved (see RuntimeCache)
         self.runtime = RuntimeCache()
         self.bn_train = False

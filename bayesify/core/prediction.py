@@ -21,6 +21,31 @@ def gaussian_noise(num_classes: int) -> torch.Tensor:
     return torch.randn((GAUSSIAN_SAMPLES, 1, num_classes), generator=generator)
 
 
+def temper(log_probs: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """``[B, C]`` ``log softmax(log p̄ / T)``: the predictive-level temperature
+    ``p_T(y|x) ∝ p̄(y|x)^(1/T)`` (T < 1 sharpens, T > 1 softens; T = 1 is the identity)."""
+    if not isinstance(temperature, torch.Tensor) and float(temperature) == 1.0:
+        return log_probs
+    return torch.log_softmax(log_probs / temperature, dim=-1)
+
+
+def decomposition(tempered_total: torch.Tensor, total: torch.Tensor,
+                  aleatoric: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(aleatoric_T, epistemic_T)`` ``[B]`` after a predictive-level temperature.
+
+    The rule: the temperature calibrates the *total*, the posterior decides the *split*.
+    The untempered decomposition ``H(p̄) = E_m H(p_m) + MI`` is rescaled by
+    ``H(p_T) / H(p̄)``, so both parts stay ≥ 0, they sum to the tempered entropy
+    ``H(p_T)``, and T = 1 gives the untempered decomposition exactly (where
+    ``H(p̄) = 0`` the epistemic part is 0 and the aleatoric part is ``H(p_T)``)."""
+    mi = (total - aleatoric).clamp_min(0)
+    mi = torch.minimum(mi, total)
+    ratio = torch.where(total > 0, tempered_total / total.clamp_min(1e-30),
+                        torch.zeros_like(total))
+    epistemic = mi * ratio
+    return (tempered_total - epistemic).clamp_min(0), epistemic
+
+
 def gaussian_log_probs(mean: torch.Tensor, variance: torch.Tensor, link: str, *,
                        rowsum: torch.Tensor | None = None,
                        total: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,7 +73,13 @@ class Prediction:
     Gaussian case ``member_logits`` are ``GAUSSIAN_SAMPLES`` fixed-seed draws from
     ``N(mean, diag variance)``: the aleatoric part is their expected entropy, and
     the epistemic part the total entropy of the link minus it (≥ 0).
-    Use :meth:`scaled` for a temperature (it divides logits, not probabilities).
+    **Temperature** (:meth:`scaled`): one temperature on the *predictive's
+    log-probabilities*, ``p_T = softmax(log p̄ / T)`` (:func:`temper`), for every family —
+    ``log p̄`` is the member mixture or the link's output. The members (``member_logits``,
+    ``member_probs``, ``variation_ratio``, ``predictive_variance``) are the posterior's and
+    stay untempered; ``entropy`` is the tempered predictive's, and ``aleatoric`` /
+    ``epistemic`` split it in the untempered decomposition's proportions
+    (:func:`decomposition`).
     """
 
     member_logits_: torch.Tensor | None = None
@@ -57,11 +88,13 @@ class Prediction:
     link: str = "members"
     rowsum: torch.Tensor | None = None
     total: torch.Tensor | None = None
+    temperature: float | torch.Tensor = 1.0
 
     def __init__(self, member_logits: torch.Tensor | None = None, *,
                  mean: torch.Tensor | None = None, variance: torch.Tensor | None = None,
                  link: str | None = None, rowsum: torch.Tensor | None = None,
-                 total: torch.Tensor | None = None) -> None:
+                 total: torch.Tensor | None = None,
+                 temperature: float | torch.Tensor = 1.0) -> None:
         if (member_logits is None) == (mean is None):
             raise ValueError("a Prediction holds member_logits or (mean, variance), exactly one")
         if mean is not None and (variance is None or variance.shape != mean.shape):
@@ -71,7 +104,7 @@ class Prediction:
             raise ValueError("the 'bridge' link needs rowsum and total")
         for name, value in (("member_logits_", member_logits), ("mean", mean),
                             ("variance", variance), ("link", link), ("rowsum", rowsum),
-                            ("total", total)):
+                            ("total", total), ("temperature", temperature)):
             object.__setattr__(self, name, value)
 
     @property
@@ -79,19 +112,35 @@ class Prediction:
         return self.mean is not None
 
     def scaled(self, temperature: float | torch.Tensor) -> Prediction:
-        """The predictive of the logits divided by ``temperature`` (a float, or a tensor
-        to differentiate through)."""
+        """The predictive tempered by ``temperature`` (a float, or a tensor to differentiate
+        through): ``softmax(log p̄ / T)`` on the predictive's log-probabilities, never on
+        the members' logits or the Gaussian's moments. Temperatures compose by product."""
         t = temperature
         if not isinstance(t, torch.Tensor):
             t = float(t)
             if t == 1.0:
                 return self
+        return self._shared(self._with(temperature=self.temperature * t))
+
+    @property
+    def untempered(self) -> Prediction:
+        """The same predictive at temperature 1."""
+        return self._shared(self._with(temperature=1.0))
+
+    def _shared(self, other: Prediction) -> Prediction:
+        """``other`` (same data, another temperature) reusing what does not depend on it."""
+        for name in ("raw_log_probs", "member_logits", "member_probs"):
+            if name in self.__dict__:
+                other.__dict__[name] = self.__dict__[name]
+        return other
+
+    def _with(self, **changes: object) -> Prediction:
+        fields = {"mean": self.mean, "variance": self.variance, "link": self.link,
+                  "rowsum": self.rowsum, "total": self.total, "temperature": self.temperature}
+        fields.update(changes)
         if not self.is_gaussian:
-            return Prediction(self.member_logits_ / t)
-        t2 = t * t
-        return Prediction(mean=self.mean / t, variance=self.variance / t2, link=self.link,
-                          rowsum=None if self.rowsum is None else self.rowsum / t2,
-                          total=None if self.total is None else self.total / t2)
+            return Prediction(self.member_logits_, temperature=fields["temperature"])
+        return Prediction(**fields)
 
     @cached_property
     def member_logits(self) -> torch.Tensor:
@@ -102,12 +151,19 @@ class Prediction:
         return self.mean.float() + self.variance.float().clamp_min(0).sqrt() * z
 
     @cached_property
-    def log_probs(self) -> torch.Tensor:
-        """``[B, C]`` log predictive probabilities (mixture mean, or the link)."""
+    def raw_log_probs(self) -> torch.Tensor:
+        """``[B, C]`` untempered log predictive probabilities ``log p̄`` (mixture mean, or
+        the link)."""
         if not self.is_gaussian:
             return metrics.mixture_log_probs(self.member_logits_)
         return gaussian_log_probs(self.mean, self.variance, self.link, rowsum=self.rowsum,
                                   total=self.total)
+
+    @cached_property
+    def log_probs(self) -> torch.Tensor:
+        """``[B, C]`` log predictive probabilities at the temperature:
+        ``log softmax(log p̄ / T)``."""
+        return temper(self.raw_log_probs, self.temperature)
 
     @cached_property
     def member_probs(self) -> torch.Tensor:
@@ -121,18 +177,27 @@ class Prediction:
 
     @cached_property
     def entropy(self) -> torch.Tensor:
-        """``[B]`` total predictive entropy H(E_m p_m)."""
+        """``[B]`` total predictive entropy H(p_T) (at T = 1: H(E_m p_m))."""
         return metrics.entropy(self.probs)
 
     @cached_property
+    def _split(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raw_total = metrics.entropy(self.raw_log_probs.exp())
+        raw_aleatoric = metrics.expected_entropy(self.member_probs)
+        if not isinstance(self.temperature, torch.Tensor) and float(self.temperature) == 1.0:
+            return raw_aleatoric, (raw_total - raw_aleatoric).clamp_min(0)
+        return decomposition(self.entropy, raw_total, raw_aleatoric)
+
+    @cached_property
     def aleatoric(self) -> torch.Tensor:
-        """``[B]`` expected entropy E_m H(p_m)."""
-        return metrics.expected_entropy(self.member_probs)
+        """``[B]`` expected entropy E_m H(p_m) (tempered: see :func:`decomposition`)."""
+        return self._split[0]
 
     @cached_property
     def epistemic(self) -> torch.Tensor:
-        """``[B]`` mutual information (BALD) = entropy − aleatoric."""
-        return (self.entropy - self.aleatoric).clamp_min(0)
+        """``[B]`` mutual information (BALD) = entropy − aleatoric (tempered: see
+        :func:`decomposition`)."""
+        return self._split[1]
 
     @cached_property
     def variation_ratio(self) -> torch.Tensor:
@@ -155,29 +220,33 @@ class Prediction:
     def cat(parts: list[Prediction]) -> Prediction:
         """Concatenate predictions of consecutive batches along B."""
         first = parts[0]
+        if any(float(p.temperature) != float(first.temperature) for p in parts):
+            raise ValueError("Prediction.cat needs parts at one temperature")
         if not first.is_gaussian:
-            return Prediction(torch.cat([p.member_logits_ for p in parts], dim=1))
+            return Prediction(torch.cat([p.member_logits_ for p in parts], dim=1),
+                              temperature=first.temperature)
         def cat(name: str) -> torch.Tensor | None:
             values = [getattr(p, name) for p in parts]
             return None if values[0] is None else torch.cat(values)
         return Prediction(mean=cat("mean"), variance=cat("variance"), link=first.link,
-                          rowsum=cat("rowsum"), total=cat("total"))
+                          rowsum=cat("rowsum"), total=cat("total"),
+                          temperature=first.temperature)
 
     def rows(self, index: torch.Tensor | slice) -> Prediction:
         """The predictions of the examples ``index`` (along B)."""
         if not self.is_gaussian:
-            return Prediction(self.member_logits_[:, index])
+            return Prediction(self.member_logits_[:, index], temperature=self.temperature)
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[index]
-        return Prediction(mean=pick(self.mean), variance=pick(self.variance), link=self.link,
+        return self._with(mean=pick(self.mean), variance=pick(self.variance),
                           rowsum=pick(self.rowsum), total=pick(self.total))
 
     def to(self, device: torch.device | str) -> Prediction:
         if not self.is_gaussian:
-            return Prediction(self.member_logits_.to(device))
+            return Prediction(self.member_logits_.to(device), temperature=self.temperature)
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
-        return Prediction(mean=move(self.mean), variance=move(self.variance), link=self.link,
+        return self._with(mean=move(self.mean), variance=move(self.variance),
                           rowsum=move(self.rowsum), total=move(self.total))
 
     def argmax(self) -> torch.Tensor:

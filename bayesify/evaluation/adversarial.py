@@ -22,7 +22,8 @@ from bayesify.predict.predictor import BasePredictor, EnsemblePredictor, ModelPr
 
 
 def differentiable_member_logits(predictor: BasePredictor, x: torch.Tensor) -> torch.Tensor:
-    """``[M, B, C]`` calibrated member logits with a gradient path to ``x``.
+    """``[M, B, C]`` member logits with a gradient path to ``x`` (untempered: the
+    predictor's temperature acts on the predictive, see :func:`input_gradient`).
 
     The predictors' own ``member_logits`` run under ``no_grad``; this evaluates the
     *same* M networks with autograd on: for a :class:`BayesianModel` its
@@ -31,7 +32,6 @@ def differentiable_member_logits(predictor: BasePredictor, x: torch.Tensor) -> t
     every model in eval mode. Other predictors may provide a
     ``differentiable_member_logits(x)`` method; otherwise their ``member_logits``
     is tried under ``enable_grad`` and rejected if it returns no graph.
-    Logits are divided by the predictor's temperature.
     """
     from bayesify.core.outputs import logits_of
 
@@ -67,14 +67,15 @@ def differentiable_member_logits(predictor: BasePredictor, x: torch.Tensor) -> t
             f"{type(predictor).__name__} gives member logits without a gradient path to the "
             "input; give it a differentiable_member_logits(x) method to attack it with FGSM"
         )
-    return logits.float() / predictor.temperature
+    return logits.float()
 
 
 def input_gradient(predictor: BasePredictor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``∇_x Σ_b −log p̄(y_b | x_b)`` of the mixture predictive, shape of ``x``."""
+    """``∇_x Σ_b −log p_T(y_b | x_b)`` of the tempered mixture predictive, shape of ``x``."""
     x = x.detach().clone().requires_grad_(True)
     logits = differentiable_member_logits(predictor, x)
-    loss = metrics.per_example_nll(metrics.mixture_log_probs(logits), y.to(logits.device)).sum()
+    log_probs = Prediction(logits).scaled(predictor.temperature).log_probs
+    loss = metrics.per_example_nll(log_probs, y.to(logits.device)).sum()
     (grad,) = torch.autograd.grad(loss, x)
     return grad
 
@@ -123,8 +124,8 @@ def fgsm_sweep(
         direction = input_gradient(predictor, x, y).sign()
         for eps, acc in sums.items():
             with torch.no_grad():
-                pred = Prediction(predictor.member_logits(_perturb(x, direction, eps, clamp))
-                                  / predictor.temperature)
+                pred = Prediction(predictor.member_logits(
+                    _perturb(x, direction, eps, clamp))).scaled(predictor.temperature)
             acc["correct"] += (pred.argmax() == y).float().sum().item()
             acc["nll"] += metrics.per_example_nll(pred.log_probs, y).sum().item()
             acc["entropy"] += pred.entropy.sum().item()

@@ -1,14 +1,21 @@
-"""Temperature scaling of an ensemble predictor (Guo et al. 2017, for mixtures).
+"""Temperature scaling of a Bayesian predictive (Guo et al. 2017, on the predictive).
 
-One temperature T divides every member's logits; it minimises the validation
-NLL of the *mixture*
+One temperature T acts on the *predictive's log-probabilities* (for every family: the
+member mixture ``log p̄ = logsumexp_m log softmax(f_m) − log M``, or the link's output of
+a Gaussian predictive — probit or Laplace bridge); it minimises the validation NLL of
 
-    NLL(T) = −(1/N) Σ_n log( (1/M) Σ_m softmax(f_m(x_n) / T)[y_n] ),
+    NLL(T) = −(1/N) Σ_n log softmax(log p̄(x_n) / T)[y_n],
+
+so a broad posterior can be sharpened where its predictive is confident and stays broad
+where it is not (dividing member logits or the Gaussian's moments cannot sharpen a
+broad predictive).
 
 optimised by LBFGS over log T (so T stays positive), started from the best of
 a coarse grid and kept in ``T_BOUNDS``. The fit never makes the validation NLL
 worse: when the optimum is not better than the predictor's current temperature,
-that one is kept.
+that one is kept. After a validation search (``fit(val_loader=...)`` / ``tune``) chose the
+temperature jointly with the posterior's knob, :func:`calibrate` refuses to move it
+(the search saw shift, calibration sees clean data only) unless ``force=True``.
 """
 
 from __future__ import annotations
@@ -97,16 +104,13 @@ def _nll(prediction: Prediction, labels: torch.Tensor, t: float | torch.Tensor) 
 
 
 def mixture_nll(member_logits: torch.Tensor, labels: torch.Tensor, log_t: torch.Tensor) -> torch.Tensor:
-    """Mean NLL of the mixture at temperature ``exp(log_t)``; ``[M, N, C]``, ``[N]`` → scalar.
-
-    ``log softmax(f/T)[y] = f_y/T − logsumexp_c(f_c/T)``; the mixture adds
-    ``logsumexp_m(·) − log M``. Differentiable in ``log_t``.
+    """Mean NLL of the tempered mixture at temperature ``exp(log_t)``; ``[M, N, C]``,
+    ``[N]`` → scalar: ``−log softmax(log p̄ / T)[y]`` with
+    ``log p̄ = logsumexp_m log softmax(f_m) − log M``. Differentiable in ``log_t``.
     """
-    scaled = member_logits / log_t.exp()
-    index = labels.view(1, -1, 1).expand(scaled.shape[0], -1, 1)
-    member_log_py = scaled.gather(-1, index).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
-    log_py = torch.logsumexp(member_log_py, dim=0) - math.log(scaled.shape[0])
-    return -log_py.mean()
+    log_p = metrics.mixture_log_probs(member_logits)
+    return metrics.per_example_nll(torch.log_softmax(log_p / log_t.exp(), dim=-1),
+                                   labels).mean()
 
 
 def fit_temperature(member_logits: torch.Tensor | Prediction, labels: torch.Tensor, *,
@@ -114,7 +118,7 @@ def fit_temperature(member_logits: torch.Tensor | Prediction, labels: torch.Tens
     """argmin_T of the validation NLL (LBFGS on log T from the best grid point).
 
     ``member_logits [M, N, C]`` (the mixture NLL, :func:`mixture_nll`) or a raw
-    :class:`Prediction` (members or a Gaussian over the logits: T divides the logits)
+    :class:`Prediction` (members or a Gaussian over the logits: T acts on ``log p̄``)
     must be finite, and ``labels [N]`` class indices in ``[0, C)`` with ``N > 0``
     (:class:`BayesifyError` otherwise).
     """
@@ -122,6 +126,10 @@ def fit_temperature(member_logits: torch.Tensor | Prediction, labels: torch.Tens
     logits = prediction.member_logits if not prediction.is_gaussian else prediction.mean
     labels = check_labels(labels.detach(), logits.shape[-1], where="fit_temperature")
     labels = labels.to(logits.device)
+
+    prediction = prediction.untempered
+    with torch.no_grad():
+        _ = prediction.raw_log_probs  # computed once, tempered at every step
 
     def nll(log_t: torch.Tensor) -> torch.Tensor:
         return _nll(prediction, labels, log_t.exp()).mean()
@@ -207,6 +215,7 @@ def calibrate(
     max_iter: int = 100,
     rule: str = "one_se",
     progress: bool = True,
+    force: bool = False,
 ) -> CalibrationResult:
     """Fit ``predictor.temperature`` on ``val_loader`` (labels required) and set it.
 
@@ -214,7 +223,10 @@ def calibrate(
     error of the NLL optimum, see :func:`choose_temperature`) or ``'min'`` (the
     optimum). ``plot``: path of a PNG reliability diagram before/after. The
     validation NLL after is ≤ the NLL before (the previous temperature is kept
-    otherwise). Works on members and on Gaussian predictives (T divides the logits).
+    otherwise). Works on members and on Gaussian predictives (T acts on ``log p̄``).
+    ``force``: a temperature chosen by the validation search (``fit(val_loader=...)``,
+    ``tune``) is refused unless ``force=True`` — the search chose it with the posterior's
+    knob on clean *and* shifted data, and a clean-only re-fit would undo that.
     ``progress``: a bar over the validation batches (rank 0); the chosen temperature is
     logged at INFO (``bayesify.predict.calibration``).
     """
@@ -224,6 +236,13 @@ def calibrate(
         raise BayesifyError(f"calibrate: rule must be one of {list(RULES)}, got {rule!r}")
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
         raise BayesifyError(f"calibrate: max_iter must be a positive integer, got {max_iter!r}")
+    if searched_temperature(predictor) and not force:
+        raise BayesifyError(
+            f"calibrate: the temperature {float(predictor.temperature):.4g} was chosen by the "
+            "validation search with the posterior's knob (fit(val_loader=...) or tune), on clean "
+            "and shifted validation data; re-fitting it on clean data alone would undo that "
+            "choice. Keep it, re-run tune(bnn, val_loader), or pass force=True to calibrate "
+            "anyway (`bayesify calibrate --force`)")
     start = time.perf_counter()
     prediction, labels = _collect(predictor, val_loader, progress=progress)
     if labels is None:
@@ -255,6 +274,8 @@ def calibrate(
     nll_after, ece_after, conf_after, correct_after = calibration_stats(prediction, labels,
                                                                         temperature)
     predictor.temperature = temperature
+    if getattr(predictor, "bnn", None) is not None:
+        predictor.bnn.temperature_source = "calibrate"
     if is_rank_zero():
         logger.info("calibrate: temperature %.4g (%s; optimum %.4g, rule %r) on %d validation "
                     "examples, NLL %.4f -> %.4f, in %.1f s", temperature,
@@ -274,6 +295,17 @@ def calibrate(
     )
 
 
+def searched_temperature(predictor: BasePredictor) -> bool:
+    """Whether ``predictor`` predicts at the temperature a validation search chose (its
+    posterior's ``temperature_source`` is ``"search"`` and no other temperature was set
+    on the predictor)."""
+    bnn = getattr(predictor, "bnn", None)
+    if bnn is None or getattr(bnn, "temperature_source", None) != "search":
+        return False
+    own = getattr(predictor, "_temperature", None)
+    return own is None or own == bnn.state.value("temperature")
+
+
 def _warn_at_bound(temperature: float, rows: int) -> None:
     """A temperature at the edge of the search is the data running out, not a fit."""
     edges = (T_BOUNDS[0], _GRID_RANGE[0], _GRID_RANGE[1], T_BOUNDS[1])
@@ -285,6 +317,10 @@ def _warn_at_bound(temperature: float, rows: int) -> None:
             stacklevel=3)
 
 
+#: where the temperature acts, recorded in calibration files, saved posteriors and exports:
+#: ``softmax(log p̄ / T)`` on the predictive (files without it are of the older, member-logit
+#: kind and are refused unless their temperature is 1)
+TEMPERATURE_KIND = "predictive"
 #: what ``bayesify calibrate`` records to tie ``calibration.json`` to its posterior
 POSTERIOR_KEY = "posterior_checksum"
 
@@ -295,6 +331,7 @@ def calibration_record(result: CalibrationResult, posterior_dir: str | Path | No
     from bayesify.persistence import read_manifest
 
     payload = result.to_dict()
+    payload["temperature_kind"] = TEMPERATURE_KIND
     payload[POSTERIOR_KEY] = (read_manifest(posterior_dir)["checksum"]
                               if posterior_dir is not None else None)
     return payload
@@ -322,6 +359,12 @@ def read_calibration_file(path: str | Path, posterior_dir: str | Path) -> float:
         temperature = check_temperature(payload["temperature"], where=f"the temperature in {path}")
     except TypeError as err:  # a string or null in the file: a bad file, not a bad call
         raise BayesifyError(str(err)) from None
+    if payload.get("temperature_kind") != TEMPERATURE_KIND and temperature != 1.0:
+        raise BayesifyError(
+            f"{path} holds a temperature of the older kind (T = {temperature:.4g} divided the "
+            "members' logits; bayesify now applies it to the predictive's log-probabilities, "
+            "softmax(log p̄ / T), which is a different predictive): it is not reinterpreted. "
+            f"Re-run `bayesify calibrate --posterior {posterior_dir}` or delete {path.name}")
     current = read_manifest(posterior_dir)["checksum"]
     fitted_on = payload.get(POSTERIOR_KEY)
     if fitted_on != current:

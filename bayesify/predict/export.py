@@ -10,9 +10,11 @@ where ``inputs`` are the example's inputs under the same names: one tensor
 :mod:`bayesify.predict.export_inputs`). The batch axis, and the sequence axis of
 integer token inputs, stay dynamic.
 
-where ``probs = (1/M) Σ_m softmax(f_m(x) / T)`` is the mixture predictive of the
-M members and ``epistemic = H(probs) − (1/M) Σ_m H(softmax(f_m(x) / T))`` is the
-mutual information (BALD). The members' noise / weight samples are frozen into
+where ``probs = softmax(log p̄ / T)`` is the predictive at the predictive-level temperature
+(``log p̄ = logsumexp_m log_softmax(f_m(x)) − log M`` for M members, the link's output for a
+Gaussian) and ``epistemic`` is the untempered mutual information (BALD) rescaled by
+``H(probs) / H(p̄)`` (:func:`bayesify.core.prediction.decomposition`). The members' noise /
+weight samples are frozen into
 buffers, so the exported graph holds only ATen ops and tensors: loading the
 ``.pt2`` needs ``torch.export.load`` only, the ``.onnx`` onnxruntime only.
 """
@@ -79,11 +81,28 @@ DROPOUT_OPS = ("dropout", "native_dropout", "feature_dropout", "alpha_dropout",
                "feature_alpha_dropout")
 
 
+def _tempered_outputs(log_probs: torch.Tensor, member_probs: torch.Tensor,
+                      temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, epistemic)`` from the untempered ``log p̄ [B, C]`` and the members
+    ``[M, B, C]``: the graph form of :class:`~bayesify.core.prediction.Prediction`'s
+    ``probs`` and ``epistemic`` at ``temperature`` (``temper`` and ``decomposition``)."""
+    raw = log_probs.exp()
+    probs = torch.softmax(log_probs / temperature, dim=-1)
+    raw_total = -(raw * raw.clamp_min(EPS).log()).sum(-1)
+    aleatoric = -(member_probs * member_probs.clamp_min(EPS).log()).sum(-1).mean(0)
+    total = -(probs * probs.clamp_min(EPS).log()).sum(-1)
+    mi = torch.minimum((raw_total - aleatoric).clamp_min(0), raw_total)
+    ratio = torch.where(raw_total > 0, total / raw_total.clamp_min(1e-30),
+                        torch.zeros_like(raw_total))
+    return probs, mi * ratio
+
+
 class ExportedPredictor(nn.Module):
     """``inputs → (probs [B, C], epistemic [B])`` from member logits and a temperature.
 
-    Same arithmetic as :class:`~bayesify.predict.prediction.Prediction`:
-    ``log p = logsumexp_m log_softmax(f_m / T) − log M``; MI = H(p) − mean_m H(p_m) ≥ 0.
+    Same arithmetic as :class:`~bayesify.core.prediction.Prediction`:
+    ``log p̄ = logsumexp_m log_softmax(f_m) − log M``, ``probs = softmax(log p̄ / T)``;
+    epistemic = MI · H(probs) / H(p̄) ≥ 0.
     """
 
     def __init__(self, members: nn.Module, temperature: float, num_members: int) -> None:
@@ -94,22 +113,18 @@ class ExportedPredictor(nn.Module):
         self.log_members = math.log(num_members)
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.members(*args, **kwargs).float() / self.temperature
-        member_log_probs = logits.log_softmax(-1)
-        probs = (torch.logsumexp(member_log_probs, dim=0) - self.log_members).exp()
-        member_probs = member_log_probs.exp()
-        total = -(probs * probs.clamp_min(EPS).log()).sum(-1)
-        aleatoric = -(member_probs * member_probs.clamp_min(EPS).log()).sum(-1).mean(0)
-        return probs, (total - aleatoric).clamp_min(0)
+        member_log_probs = self.members(*args, **kwargs).float().log_softmax(-1)
+        log_probs = torch.logsumexp(member_log_probs, dim=0) - self.log_members
+        return _tempered_outputs(log_probs, member_log_probs.exp(), self.temperature)
 
 
 class GaussianExportedPredictor(nn.Module):
     """``inputs → (probs [B, C], epistemic [B])`` of a Gaussian predictive over the logits.
 
     ``moments(inputs) → [3, B, C]`` = (mean, diag Σ_f, Σ_f 1). Same arithmetic as
-    :class:`~bayesify.core.prediction.Prediction`: the temperature divides the logits
-    (mean / T, Σ / T²), the link gives the probabilities, and the aleatoric part is the
-    expected entropy over the same fixed draws ``z [S, 1, C]`` (a buffer).
+    :class:`~bayesify.core.prediction.Prediction`: the link gives ``log p̄`` (probit or
+    bridge), the temperature acts on it (``softmax(log p̄ / T)``), and the aleatoric part
+    is the expected entropy over the same fixed draws ``z [S, 1, C]`` (a buffer).
     """
 
     def __init__(self, moments: nn.Module, temperature: float, link: str, num_classes: int) -> None:
@@ -124,14 +139,10 @@ class GaussianExportedPredictor(nn.Module):
         from bayesify.core.prediction import gaussian_log_probs
 
         mean, var, rowsum = self.moments(*args, **kwargs).float().unbind(0)
-        t = self.temperature
-        mean, var, rowsum = mean / t, var / (t * t), rowsum / (t * t)
-        probs = gaussian_log_probs(mean, var, self.link, rowsum=rowsum,
-                                   total=rowsum.sum(-1)).exp()
+        log_probs = gaussian_log_probs(mean, var, self.link, rowsum=rowsum,
+                                       total=rowsum.sum(-1))
         member_probs = (mean + var.clamp_min(0).sqrt() * self.noise).softmax(-1)  # [S, B, C]
-        total = -(probs * probs.clamp_min(EPS).log()).sum(-1)
-        aleatoric = -(member_probs * member_probs.clamp_min(EPS).log()).sum(-1).mean(0)
-        return probs, (total - aleatoric).clamp_min(0)
+        return _tempered_outputs(log_probs, member_probs, self.temperature)
 
 
 def build_exported_predictor(predictor: BasePredictor, example_input: Any) -> nn.Module:

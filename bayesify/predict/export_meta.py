@@ -3,7 +3,7 @@
 An exported predictor carries a metadata record (:func:`export_metadata`)::
 
     {"bayesify_export": 1, "bayesify_version", "torch_version", "format",
-     "method", "members", "temperature", "num_classes", "class_names",
+     "method", "members", "temperature", "temperature_kind", "num_classes", "class_names",
      "preprocessing", "inputs", "dynamic_axes", "outputs": ["probs", "epistemic"],
      "posterior_fingerprint", "base_fingerprint"}
 
@@ -87,6 +87,8 @@ def export_metadata(predictor: BasePredictor, *, fmt: str, members: int, num_cla
         "bayesify_export": METADATA_VERSION, "bayesify_version": __version__,
         "torch_version": torch.__version__.split("+")[0], "format": fmt, "method": method,
         "members": int(members), "temperature": float(predictor.temperature),
+        # softmax(log p̄ / T) on the predictive's log-probabilities (not member logits)
+        "temperature_kind": "predictive",
         "num_classes": int(num_classes), "class_names": names,
         "preprocessing": resolve_preprocessing(preprocessing, _wrapped_model(predictor)),
         "inputs": list(inputs), "dynamic_axes": dynamic_axes, "outputs": ["probs", "epistemic"],

@@ -16,12 +16,16 @@ every candidate twice:
 
 Among feasible (knob value, temperature) pairs the one with the lowest shifted NLL is
 chosen (:func:`bayesify.core.selection.choose_joint`); ties go to the broadest posterior
-(``knob.prefer``). The temperature is searched on :data:`TEMPERATURES` (1 to 4: it may soften,
-never sharpen — the T < 1 that a small, nearly perfectly classified split rewards is what
-costs most under shift; the starting network's reference temperature comes from the same
-range, so "start + temperature" is the start softened where that helps) and installed as the posterior's
-temperature (``bnn.state.temperature``, saved and exported with it); families without a
-knob get the temperature alone.
+(``knob.prefer``). The temperature acts on the predictive's log-probabilities
+(``softmax(log p̄ / T)``, :meth:`~bayesify.core.prediction.Prediction.scaled`) and is searched
+on :data:`TEMPERATURES` (0.05 to 4, log grid): a broad posterior is sharpened where its
+predictive is confident (a GLM Laplace's epistemic variance is larger off the data, so the
+sharpened predictive stays broad there), and the feasibility rule keeps every sharpening the
+clean split can vouch for; the starting network's reference temperature comes from the same
+grid ("start + temperature scaling"). The choice is installed as the posterior's temperature
+(``bnn.state.temperature``, ``bnn.temperature_source = "search"``, saved and exported with
+it; ``calibrate`` refuses to move it without ``force=True``); families without a knob get the
+temperature alone.
 
 Every candidate streams the split once, one batch at a time: each rank predicts its
 contiguous shard and keeps only per-example NLL on the CPU (8 bytes per example and
@@ -49,6 +53,7 @@ import torch.nn.functional as F
 from bayesify.core.batch import Batch, BatchFn, call_model
 from bayesify.core.fitting import Knob
 from bayesify.core.outputs import logits_of
+from bayesify.core.prediction import temper
 from bayesify.core.selection import choose_joint, log_grid
 from bayesify.errors import BayesifyError
 from bayesify.metrics import per_example_nll
@@ -69,11 +74,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Batches = Callable[[], Iterator[Batch]]
-#: temperatures searched with every knob value: 1 (the posterior as trained) up to 4, never
-#: below 1 — sharpening is what a small or nearly perfectly classified validation split
-#: rewards and what costs most under shift (on digits, T = 0.5–0.7 chosen on clean data
-#: doubled the NLL under noise); the starting network's reference uses the same range
-TEMPERATURES: tuple[float, ...] = tuple(log_grid((1.0, 4.0, 9)))
+#: predictive-level temperatures searched with every knob value: 0.05 to 4 (log grid, 1
+#: included). Sharpening (T < 1) pays off for a broad posterior whose spread is larger off
+#: the data (last-layer Laplace at τ = 1, T = 0.1: shift NLL 0.42–0.58× the start's at the
+#: start's clean NLL, /work/shared/QUALITY-EVIDENCE.md); the feasibility rule (clean NLL
+#: within one paired SE of the calibrated start) keeps it from sharpening a narrow one.
+#: The starting network's reference uses the same grid.
+TEMPERATURES: tuple[float, ...] = tuple(sorted({*log_grid((0.05, 1.0, 14)),
+                                                *log_grid((1.0, 4.0, 5))}))
 
 
 def _gather(parts: list[torch.Tensor], ctx: DistContext) -> torch.Tensor:
@@ -102,9 +110,9 @@ def candidate_nll(bnn: BayesianModel, batches: Batches, ctx: DistContext,
     predictor = bnn.predictor(temperature=1.0)
 
     def nll_of(batch: Batch) -> torch.Tensor:
-        pred = predictor.predict(batch.model_input())
-        labels = batch.require_labels("the validation search").to(pred.log_probs.device)
-        return _nll_by_temperature(lambda t: pred.scaled(t).log_probs, labels)
+        log_probs = predictor.predict(batch.model_input()).raw_log_probs  # log p̄, T = 1
+        labels = batch.require_labels("the validation search").to(log_probs.device)
+        return _nll_by_temperature(lambda t: temper(log_probs, t), labels)
 
     clean, shifted = [], []
     for index, batch in enumerate(batches()):
@@ -204,6 +212,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                 record["val_shift_nll"] = float(shifted_t[v, t].mean())
         bar.close()
         bnn.state.set("temperature", record["temperature"])
+        bnn.temperature_source = "search" if temperature else "default"
         if temperature and record["temperature"] == TEMPERATURES[-1]:
             logger.info("%s: temperature %.3g is the top of its search range", bnn.method_name,
                         record["temperature"])
