@@ -46,6 +46,7 @@ from quality_table import aggregate
 
 import bayesify
 from bayesify import metrics
+from bayesify.core.prediction import Prediction
 from bayesify.evaluation import peers
 from bayesify.predict.predictor import BasePredictor, ModelPredictor
 
@@ -63,22 +64,17 @@ PEER_RECIPES: dict[str, dict[str, Any]] = {
 
 
 @torch.no_grad()
-def member_logits(predictor: BasePredictor, x: torch.Tensor, batch: int = 512) -> torch.Tensor:
-    """``[M, N, C]`` member logits at the predictor's temperature (Gaussian predictives:
-    the link is applied first, so the rows are log predictive probabilities)."""
-    outs = []
-    for i in range(0, x.shape[0], batch):
-        pred = predictor.predict(x[i:i + batch]).scaled(predictor.temperature)
-        outs.append(pred.member_logits if not pred.is_gaussian else pred.log_probs[None])
-    return torch.cat(outs, dim=1).float()
+def predictions(predictor: BasePredictor, x: torch.Tensor, batch: int = 512) -> Prediction:
+    """The predictor's :class:`Prediction` of ``x`` at its temperature (the temperature acts
+    on the predictive's log-probabilities; entropy and epistemic as the library reports)."""
+    parts = [predictor.predict(x[i:i + batch]).to("cpu") for i in range(0, x.shape[0], batch)]
+    return Prediction.cat(parts).scaled(predictor.temperature)
 
 
-def point_stats(logits: torch.Tensor, labels: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    log_probs = metrics.mixture_log_probs(logits)
+def point_stats(pred: Prediction, labels: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    log_probs = pred.log_probs.float()
     probs = log_probs.exp()
-    entropy = metrics.entropy(probs)
-    epistemic = (entropy - metrics.expected_entropy(logits.softmax(-1))).clamp_min(0)
-    out = {"entropy": entropy, "epistemic": epistemic}
+    out = {"entropy": pred.entropy.float(), "epistemic": pred.epistemic.float()}
     if labels is not None:
         conf, pred = probs.max(-1)
         out.update(nll=metrics.per_example_nll(log_probs, labels), correct=(pred == labels).float(),
@@ -178,15 +174,16 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     def score(name: str, group: str, predictor: BasePredictor, fit_s: float, recipe: Any,
               record: dict[str, Any] | None = None) -> None:
         start = time.perf_counter()
-        logits = member_logits(predictor, tx)
+        logits = predictions(predictor, tx)
+        _ = logits.log_probs
         predict_s = time.perf_counter() - start
-        entry = {"group": group, "recipe": recipe, "members": int(logits.shape[0]),
+        entry = {"group": group, "recipe": recipe, "members": int(logits.num_members),
                  "temperature": float(predictor.temperature), "fit_seconds": fit_s,
                  "fit_cpu_seconds": fit_s, "predict_seconds": predict_s,
-                 "test": point_stats(logits, ty), "ood": point_stats(member_logits(predictor, ood), None),
+                 "test": point_stats(logits, ty), "ood": point_stats(predictions(predictor, ood), None),
                  "sweeps": {}, "search": record or {}}
         for kind, xs in shifted.items():
-            s = point_stats(member_logits(predictor, xs), ty)
+            s = point_stats(predictions(predictor, xs), ty)
             entry["sweeps"][kind] = {"nll": s["nll"], "correct": s["correct"],
                                      "entropy_by_level": [s["entropy"].mean().item()],
                                      "epistemic_by_level": [s["epistemic"].mean().item()]}

@@ -78,8 +78,8 @@ def test_laplace_every_link_of_the_exported_module_matches(small, digits, struct
 
 
 def test_laplace_probit_equals_dense_covariance_closed_form(small, digits):
-    """probs = softmax((f*/T) / sqrt(1 + π/8 diag J Σ Jᵀ / T²)) with Σ = (G⊗A/N + τI)⁻¹ built
-    densely: the temperature divides the logits (mean and standard deviation)."""
+    """probs = softmax(log softmax(f* / sqrt(1 + π/8 diag J Σ Jᵀ)) / T) with Σ = (G⊗A/N + τI)⁻¹
+    built densely: the temperature acts on the probit predictive's log-probabilities."""
     bnn = _laplace(small, structure="kron", link="probit")
     predictor = bnn.predictor(temperature=1.3)
     x = digits.test.tensors[0][:6]
@@ -97,7 +97,8 @@ def test_laplace_probit_equals_dense_covariance_closed_form(small, digits):
         jac = torch.einsum("ck,bd->bckd", torch.eye(c, dtype=a.dtype), feats).reshape(6, c, -1)
         var = torch.einsum("bcp,pq,bcq->bc", jac, cov, jac)  # diag J Σ Jᵀ
         logits = net(x).double()
-        expected = ((logits / 1.3) / torch.sqrt(1 + math.pi / 8 * var / 1.3**2)).softmax(-1)
+        probit = (logits / torch.sqrt(1 + math.pi / 8 * var)).log_softmax(-1)
+        expected = (probit / 1.3).softmax(-1)
     torch.testing.assert_close(probs.double(), expected, atol=2e-5, rtol=0)
     assert epistemic.min() > 0
 

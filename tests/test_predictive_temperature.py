@@ -1,0 +1,238 @@
+"""One temperature, on the predictive: ``p_T = softmax(log p̄ / T)`` for every family.
+
+Brute force (float64 powers ``p̄^(1/T)`` normalised) against ``Prediction.scaled`` for
+members and for the probit / bridge Gaussian predictive; T = 1 is the identity; the
+uncertainty decomposition after tempering (parts ≥ 0, summing to the tempered entropy,
+in the untempered proportions); the validation search's grid reaches T < 1; a sharpened
+broad Laplace predictive is not the MAP's and the export equals it; a posterior saved with
+a temperature of the older (member-logit) kind is refused or reset, never reinterpreted;
+``calibrate`` refuses to move a searched temperature without ``force=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bayesify import BayesifyError, bayesify, fit
+from bayesify.core.prediction import Prediction, decomposition, temper
+from bayesify.persistence import load_posterior
+from bayesify.posterior_format import MANIFEST_FILE, _manifest_checksum
+from bayesify.predict.export import build_exported_predictor
+from bayesify.train.tuning import TEMPERATURES, tune
+
+
+def _brute(p: torch.Tensor, t: float) -> torch.Tensor:
+    powered = p.double() ** (1.0 / t)
+    return powered / powered.sum(-1, keepdim=True)
+
+
+def test_members_tempered_predictive_is_the_normalised_power_of_the_mixture():
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(5, 7, 4, generator=g)
+    pred = Prediction(logits)
+    mixture = logits.double().softmax(-1).mean(0)
+    assert pred.scaled(1.0) is pred
+    torch.testing.assert_close(pred.probs.double(), mixture, atol=1e-6, rtol=0)
+    for t in (0.05, 0.3, 2.5):
+        torch.testing.assert_close(pred.scaled(t).probs.double(), _brute(mixture, t),
+                                   atol=1e-6, rtol=0)
+        # not the old member-level scaling (members' logits / T, then the mixture)
+        member_level = (logits.double() / t).softmax(-1).mean(0)
+        assert (pred.scaled(t).probs.double() - member_level).abs().max() > 1e-3
+    # temperatures compose by product; the members stay the posterior's
+    torch.testing.assert_close(pred.scaled(0.5).scaled(0.4).log_probs, pred.scaled(0.2).log_probs)
+    assert torch.equal(pred.scaled(0.2).member_logits, logits)
+    assert torch.equal(pred.scaled(0.2).untempered.log_probs, pred.log_probs)
+
+
+@pytest.mark.parametrize("link", ["probit", "bridge"])
+def test_gaussian_tempered_predictive_acts_on_the_link_output(link):
+    g = torch.Generator().manual_seed(1)
+    b, c = 6, 5
+    mean = 2 * torch.randn(b, c, generator=g)
+    root = torch.randn(b, c, c, generator=g) * 0.7
+    cov = root @ root.transpose(1, 2)
+    kwargs = {"mean": mean, "variance": cov.diagonal(dim1=1, dim2=2), "link": link}
+    if link == "bridge":
+        kwargs.update(rowsum=cov.sum(-1), total=cov.sum((-1, -2)))
+    pred = Prediction(**kwargs)
+    link_probs = pred.log_probs.exp()
+    if link == "probit":  # the link itself, in closed form
+        expected = (mean / torch.sqrt(1 + math.pi / 8 * kwargs["variance"])).softmax(-1)
+        torch.testing.assert_close(link_probs, expected)
+    for t in (0.1, 0.7, 3.0):
+        torch.testing.assert_close(pred.scaled(t).probs.double(), _brute(link_probs, t),
+                                   atol=1e-6, rtol=0)
+    # the rows / cat / to views keep the temperature
+    tempered = pred.scaled(0.3)
+    torch.testing.assert_close(tempered.rows(slice(1, 3)).probs, tempered.probs[1:3])
+    torch.testing.assert_close(Prediction.cat([tempered.rows(slice(0, 2)),
+                                               tempered.rows(slice(2, 6))]).probs, tempered.probs)
+
+
+def test_decomposition_after_tempering_splits_the_tempered_entropy_in_posterior_proportions():
+    g = torch.Generator().manual_seed(2)
+    logits = 2 * torch.randn(8, 50, 6, generator=g)
+    logits[:, :5] = logits[:1, :5]  # members that agree: no epistemic part
+    pred = Prediction(logits)
+    raw_mi = pred.epistemic
+    assert raw_mi[:5].abs().max() < 1e-5
+    for t in (0.05, 0.4, 1.0, 3.0):
+        q = pred.scaled(t)
+        assert (q.aleatoric >= 0).all() and (q.epistemic >= 0).all()
+        torch.testing.assert_close(q.aleatoric + q.epistemic, q.entropy, atol=1e-5, rtol=0)
+        share = torch.where(pred.entropy > 1e-6, raw_mi / pred.entropy, torch.zeros(()))
+        torch.testing.assert_close(q.epistemic, share * q.entropy, atol=1e-5, rtol=0)
+    # T = 1: exactly the untempered decomposition
+    torch.testing.assert_close(pred.scaled(1.0).epistemic, raw_mi)
+    # a zero-entropy predictive: nothing epistemic, the tempered entropy is aleatoric
+    a, e = decomposition(torch.tensor([0.3]), torch.tensor([0.0]), torch.tensor([0.0]))
+    assert a.item() == pytest.approx(0.3) and e.item() == 0.0
+    assert temper(pred.log_probs, 1.0) is pred.log_probs
+
+
+def test_the_search_grid_sharpens_and_softens():
+    assert min(TEMPERATURES) == pytest.approx(0.05) and max(TEMPERATURES) == pytest.approx(4.0)
+    assert 1.0 in TEMPERATURES and len(set(TEMPERATURES)) == len(TEMPERATURES)
+    ratios = [b / a for a, b in zip(TEMPERATURES, TEMPERATURES[1:])]
+    assert max(ratios) < 1.5  # a log grid, no gaps
+
+
+# -- a tiny network with a Laplace last layer ------------------------------------------------
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(6, 16), nn.Tanh())
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
+
+def _data(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def trained():
+    torch.manual_seed(0)
+    net = _Net()
+    x, y = _data(300, 0)
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    for _ in range(150):
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return net.eval()
+
+
+def _loader(n: int, seed: int) -> DataLoader:
+    return DataLoader(TensorDataset(*_data(n, seed)), batch_size=64)
+
+
+@pytest.mark.parametrize("link", ["probit", "bridge"])
+def test_sharpened_broad_laplace_is_not_the_map_and_exports_the_same(trained, link):
+    bnn = bayesify(trained, "laplace", prior_method="fixed", prior_precision=0.01, link=link)
+    fit(bnn, _loader(200, 1), progress=False)
+    x = _data(40, 2)[0]
+    with torch.no_grad():
+        map_probs = trained(x).softmax(-1)
+    broad = bnn.predictor(temperature=1.0)(x)
+    sharp = bnn.predictor(temperature=0.1)(x)
+    # probit: broad is far softer than the MAP; sharpened: confident again, but not the MAP's
+    if link == "probit":
+        map_entropy = -(map_probs * map_probs.clamp_min(1e-12).log()).sum(-1)
+        assert broad.entropy.mean() > 2 * map_entropy.mean()
+    assert (sharp.probs - broad.probs).abs().max() > 0.05
+    assert (sharp.probs - map_probs).abs().max() > 1e-2
+    # old member-level scaling (mean / T, std / T) of the same posterior is another predictive
+    old = Prediction(mean=broad.mean / 0.1, variance=broad.variance / 0.01, link=link,
+                     rowsum=None if broad.rowsum is None else broad.rowsum / 0.01,
+                     total=None if broad.total is None else broad.total / 0.01)
+    assert (sharp.probs - old.probs).abs().max() > 1e-2
+    with torch.no_grad():
+        probs, epistemic = build_exported_predictor(bnn.predictor(temperature=0.1), x[:2])(x)
+    torch.testing.assert_close(probs, sharp.probs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(epistemic, sharp.epistemic, atol=1e-5, rtol=0)
+
+
+def _searched(trained):
+    bnn = bayesify(trained, "laplace")
+    fit(bnn, _loader(200, 1), progress=False)
+    record = tune(bnn, _loader(120, 3), progress=False)
+    return bnn, record
+
+
+def test_calibrate_refuses_to_move_a_searched_temperature(trained, tmp_path):
+    bnn, record = _searched(trained)
+    assert bnn.temperature_source == "search"
+    assert bnn.state.value("temperature") == pytest.approx(record["temperature"])
+    searched = bnn.state.value("temperature")
+    with pytest.raises(BayesifyError, match="force=True"):
+        bnn.predictor().calibrate(_loader(120, 4), progress=False)
+    assert bnn.state.value("temperature") == searched  # nothing moved
+    # the source is saved with the posterior: still refused after a round trip
+    bnn.save_posterior(tmp_path / "p")
+    loaded = load_posterior(trained, tmp_path / "p")
+    assert loaded.temperature_source == "search"
+    assert loaded.state.value("temperature") == searched
+    with pytest.raises(BayesifyError, match="force=True"):
+        loaded.predictor().calibrate(_loader(120, 4), progress=False)
+    result = loaded.predictor().calibrate(_loader(120, 4), progress=False, force=True)
+    assert loaded.temperature_source == "calibrate"
+    assert result.nll_after <= result.nll_before
+
+
+def _as_old_manifest(directory, temperature: float | None = None) -> None:
+    """Rewrite a saved posterior as an older bayesify wrote it: no temperature_kind."""
+    path = directory / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    manifest.pop("temperature_kind")
+    manifest.pop("temperature_source")
+    manifest["checksum"] = _manifest_checksum(manifest)
+    path.write_text(json.dumps(manifest, indent=2))
+
+
+def test_an_old_manifest_with_a_member_level_temperature_is_refused_or_reset(trained, tmp_path):
+    bnn = bayesify(trained, "laplace", prior_method="fixed", prior_precision=0.5)
+    fit(bnn, _loader(200, 1), progress=False)
+    x = _data(10, 5)[0]
+    # at T = 1 both kinds are the same predictive: an old file loads as it is
+    bnn.save_posterior(tmp_path / "one")
+    _as_old_manifest(tmp_path / "one")
+    same = load_posterior(trained, tmp_path / "one")
+    torch.testing.assert_close(same.predictor()(x).probs, bnn.predictor()(x).probs)
+    # T ≠ 1 of the old kind: refused with the way out, never reinterpreted
+    bnn.predictor().temperature = 0.6
+    bnn.save_posterior(tmp_path / "old")
+    assert json.loads((tmp_path / "old" / MANIFEST_FILE).read_text())["temperature_kind"] == \
+        "predictive"
+    _as_old_manifest(tmp_path / "old")
+    with pytest.raises(BayesifyError, match="old_temperature='reset'"):
+        load_posterior(trained, tmp_path / "old")
+    reset = load_posterior(trained, tmp_path / "old", old_temperature="reset")
+    assert reset.state.value("temperature") == 1.0 and reset.temperature_source == "default"
+    with pytest.raises(BayesifyError, match="old_temperature"):
+        load_posterior(trained, tmp_path / "old", old_temperature="convert")
+    # a new-format save at T = 0.6 loads at 0.6
+    bnn.save_posterior(tmp_path / "new")
+    assert load_posterior(trained, tmp_path / "new").state.value("temperature") == \
+        pytest.approx(0.6)
+
+
+def test_an_old_calibration_file_is_refused(tmp_path):
+    from bayesify.predict.calibration import read_calibration_file
+
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"temperature": 0.7, "posterior_checksum": "x"}))
+    with pytest.raises(BayesifyError, match="older kind"):
+        read_calibration_file(path, tmp_path)
