@@ -143,9 +143,10 @@ def test_laplace_epistemic_is_nonzero_and_larger_off_distribution():
     assert far.epistemic.mean() > near.epistemic.mean()
     assert near.aleatoric.shape == (64,) and torch.allclose(
         near.entropy, near.aleatoric + near.epistemic, atol=1e-5)
-    # temperature divides logits (mean and std), not probabilities
+    # the temperature acts on the link's log-probabilities; the Gaussian stays the posterior's
     hot = near.scaled(2.0)
-    assert torch.allclose(hot.mean, near.mean / 2) and torch.allclose(hot.variance, near.variance / 4)
+    assert torch.equal(hot.mean, near.mean) and torch.equal(hot.variance, near.variance)
+    assert torch.allclose(hot.log_probs, (near.log_probs / 2).log_softmax(-1))
 
 
 def test_laplace_bald_ranks_by_epistemic():

@@ -54,7 +54,7 @@ class BasePredictor:
 
     @property
     def temperature(self) -> float:
-        """Logits are divided by it; a finite number > 0 (checked when set)."""
+        """``T`` of the predictive ``softmax(log p̄ / T)``; a finite number > 0 (checked when set)."""
         return self._base_temperature
 
     @temperature.setter
@@ -204,7 +204,7 @@ class EnsemblePredictor(BasePredictor):
     ``samples_per_component``: n draws of every component (M = K·n for iBNN).
     ``max_rows``: rows per forward pass; members are chunked to stay under it.
     ``seed``: fixes the members' noise, so repeated calls see the same M networks.
-    ``temperature``: logits are divided by it (see ``calibrate``).
+    ``temperature``: acts on the predictive, ``softmax(log p̄ / T)`` (see ``calibrate``).
     ``bn_loader``: training inputs from which families that recompute BatchNorm
     statistics per sampled network (SWAG) draw them for members ``fit`` did not store
     (another ``seed`` or more members); kept in ``bnn.runtime``, never saved.

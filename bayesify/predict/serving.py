@@ -56,8 +56,8 @@ def check_temperature(value: Any, *, where: str = "temperature") -> float:
     value = float(value)
     if not (math.isfinite(value) and value > 0):
         raise BayesifyError(
-            f"{where} must be a finite number > 0, got {value!r}: logits are divided by it, "
-            "so 0 or a negative value flips or destroys every prediction (1 = uncalibrated)")
+            f"{where} must be a finite number > 0, got {value!r}: the predictive is "
+            "softmax(log p / T), so 0 or a negative value flips or destroys every prediction (1 = uncalibrated)")
     return value
 
 

@@ -4,18 +4,21 @@
 ``LaplaceMethod.member_logits`` computes, with everything that depends only on the
 posterior (and τ) precomputed into buffers:
 
-* last layer, probit / bridge (M = 1, "logits" are log predictive probabilities)::
+* last layer, probit / bridge: the Gaussian over the logits ``[3, B, C]`` (mean, diag Σ_f,
+  Σ_f 1)::
 
       ã = [a(x), 1],  f* = W* ã,  Σ_f = J Σ Jᵀ  →  [diag Σ_f, Σ_f 1, 1ᵀ Σ_f 1]
       kron: Q_A, Q_G, 1/(λ_G λ_Aᵀ/N + τ)       diag: 1/(h + τ)       full: Σ blocks
 
-  then ``log softmax(f*/sqrt(1 + π/8 diag Σ_f))`` (probit) or the Laplace bridge;
+  the exported predictor applies ``log softmax(f*/sqrt(1 + π/8 diag Σ_f))`` (probit) or the
+  Laplace bridge, then the predictive-level temperature ``softmax(log p̄ / T)``;
 * last layer, mc: the S frozen weight samples ``W_s [S, C, D']``, ``f_s = W_s ã``.
 
 The subnetwork (diagonal) posterior is refused: its predictive needs per-example
 Jacobians (``vmap(jacrev)``), which torch.export cannot trace.
 
-Since M = 1 for probit / bridge the exported mutual information is 0, as in process.
+The epistemic part of probit / bridge is the link's entropy minus the expected entropy of
+fixed draws of the Gaussian, as in process.
 """
 
 from __future__ import annotations
