@@ -139,7 +139,11 @@ def plot(run: dict[str, Any], path: Path) -> None:
             ax.scatter([r["clean_nll"]], [r["shift_nll"]], c=color, marker=marker, s=140,
                        edgecolors="k", label=label, zorder=5)
     ax.set_xscale("log")
-    ax.set_xlabel("clean test NLL (log scale)")
+    start = run["rows"]["map"]
+    low = min(min(r["shift_nll"] for r in pts), *(r["shift_nll"] for r in run["rows"].values()))
+    ax.set_ylim(0.9 * low, 1.3 * start["shift_nll"])
+    ax.set_xlim(0.9 * min(r["clean_nll"] for r in run["rows"].values()), 1.0)
+    ax.set_xlabel("clean test NLL (log scale; points beyond the axes left out)")
     ax.set_ylabel("mean test NLL over 7 shifts")
     ax.set_title(f"Last-layer Laplace, τ × T (predictive temperature), seed {run['seed']}; "
                  f"{len(taus)} τ × {len(TEMPERATURES)} T", fontsize=9)
