@@ -68,8 +68,12 @@ def test_digits_fit_calibrate_evaluate_export(tmp_path, capsys):
     assert main(["calibrate", "--posterior", str(run), "--method", "temperature"]) == 2
     assert "--calibration" in capsys.readouterr().err
     assert not (run / "calibration.json").exists()
+    # fit's validation search chose the temperature: calibrate moves it only with --force
+    assert main(["calibrate", "--posterior", str(run), "--no-progress"]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert not (run / "calibration.json").exists()
     assert main(["calibrate", "--posterior", str(run), "--method", "ibnn", "--calibration",
-                 "temperature", "--no-progress"]) == 0
+                 "temperature", "--no-progress", "--force"]) == 0
     assert "calibration.json" in capsys.readouterr().out.strip().splitlines()[-1]
     calibration = json.loads((run / "calibration.json").read_text())
     assert calibration["nll_after"] <= calibration["nll_before"]

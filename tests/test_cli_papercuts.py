@@ -83,7 +83,8 @@ def test_script_layout_resume_batch_and_portable_run(tmp_path, capsys):
     moved = tmp_path / "elsewhere"
     shutil.copytree(tmp_path / "work", moved)
     shutil.rmtree(tmp_path / "work")
-    assert main(["calibrate", "--posterior", str(moved / "out"), "--no-progress"]) == 0
+    assert main(["calibrate", "--posterior", str(moved / "out"), "--no-progress",
+                 "--force"]) == 0
     printed = capsys.readouterr().out
     rows = [line for line in printed.splitlines() if str(tmp_path) not in line]  # not paths
     assert max(len(line) for line in rows) < 100  # the 42-point curve is summarised
