@@ -154,14 +154,26 @@ def plot(run: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0])
     parser.add_argument("--ensemble", action="store_true", help="add a 5-member deep ensemble")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--merge", nargs="*", default=[],
+                        help="issue29.json files of earlier runs to merge (no re-run of their seeds)")
+    parser.add_argument("--ensemble-point", type=float, nargs=2, default=None,
+                        metavar=("CLEAN", "SHIFT"), help="deep-ensemble (clean, shift) NLL of the "
+                        "first seed measured elsewhere (quality.py), drawn in the plot")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = [run_seed(seed, args) for seed in args.seeds]
+    runs = [run for path in args.merge for run in json.loads(Path(path).read_text())]
+    done = {run["seed"] for run in runs}
+    runs += [run_seed(seed, args) for seed in args.seeds if seed not in done]
+    runs.sort(key=lambda run: run["seed"])
+    if args.ensemble_point and "deep-ensemble-x5" not in runs[0]["rows"]:
+        clean, shift = args.ensemble_point
+        runs[0]["rows"]["deep-ensemble-x5"] = {"clean_nll": clean, "shift_nll": shift,
+                                               "source": "quality.py, same seed and protocol"}
     (out / "issue29.json").write_text(json.dumps(runs, indent=1))
     plot(runs[0], out / "issue29_frontier.png")
 
