@@ -40,6 +40,10 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
         Part("quality.md", "Every family's defaults under shift, against the starting network, "
              "a deep ensemble and other libraries (noisy-digits protocol, mnf included)",
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1"),
+        Part("issue29.md", "One temperature on the predictive: Laplace's τ × T frontier, "
+             "families before/after", "python benchmarks/temperature29.py --seeds 0 1 2; "
+             "python benchmarks/quality.py --seeds 0 1 2 --methods laplace ibnn swag ensemble "
+             "deep-ensemble-x5 laplace-torch (main and this change)"),
         Part("issue7.md", "Temperature scaling, every family",
              "python benchmarks/issue7.py --out benchmarks/results/issue7.json",
              section="## Temperature scaling"),
