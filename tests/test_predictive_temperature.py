@@ -237,3 +237,14 @@ def test_an_old_calibration_file_is_refused(tmp_path):
     path.write_text(json.dumps({"temperature": 0.7, "posterior_checksum": "x"}))
     with pytest.raises(BayesifyError, match="older kind"):
         read_calibration_file(path, tmp_path)
+
+
+def test_only_families_whose_spread_grows_off_the_data_are_sharpened(trained):
+    """Laplace's search covers T < 1; the others keep T ≥ 1 (sharpening their predictive
+    cost shift NLL on the quality protocol, benchmarks/results/issue29.md)."""
+    from bayesify.train.tuning import _columns, sharpening_allowed
+
+    laplace, ibnn = bayesify(trained, "laplace"), bayesify(trained, "ibnn")
+    assert sharpening_allowed(laplace) and not sharpening_allowed(ibnn)
+    assert min(TEMPERATURES[i] for i in _columns(laplace)) == pytest.approx(0.05)
+    assert min(TEMPERATURES[i] for i in _columns(ibnn)) == 1.0

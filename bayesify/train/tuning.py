@@ -18,11 +18,13 @@ Among feasible (knob value, temperature) pairs the one with the lowest shifted N
 chosen (:func:`bayesify.core.selection.choose_joint`); ties go to the broadest posterior
 (``knob.prefer``). The temperature acts on the predictive's log-probabilities
 (``softmax(log p̄ / T)``, :meth:`~bayesify.core.prediction.Prediction.scaled`) and is searched
-on :data:`TEMPERATURES` (0.05 to 4, log grid): a broad posterior is sharpened where its
-predictive is confident (a GLM Laplace's epistemic variance is larger off the data, so the
-sharpened predictive stays broad there), and the feasibility rule keeps every sharpening the
-clean split can vouch for; the starting network's reference temperature comes from the same
-grid ("start + temperature scaling"). The choice is installed as the posterior's temperature
+on :data:`TEMPERATURES` (0.05 to 4, log grid) for families whose spread is larger off the
+data (``sharpens_predictive`` on the family class: Laplace — a GLM's epistemic variance
+grows off the data, so a sharpened broad posterior stays broad there), and on its part
+T ≥ 1 for every other family (sharpening their predictive cost shift NLL on the quality
+protocol: ibnn seed 1, 2.42 → 3.41; see benchmarks/results/issue29.md); the starting
+network's reference temperature comes from the same range ("start + temperature
+scaling"), and the feasibility rule keeps only what the clean split can vouch for. The choice is installed as the posterior's temperature
 (``bnn.state.temperature``, ``bnn.temperature_source = "search"``, saved and exported with
 it; ``calibrate`` refuses to move it without ``force=True``); families without a knob get the
 temperature alone.
@@ -84,6 +86,18 @@ TEMPERATURES: tuple[float, ...] = tuple(sorted({*log_grid((0.05, 1.0, 14)),
                                                 *log_grid((1.0, 4.0, 5))}))
 
 
+def sharpening_allowed(bnn: BayesianModel) -> bool:
+    """Whether the search may choose T < 1 for ``bnn``'s family (``sharpens_predictive``)."""
+    return bool(getattr(type(bnn.method), "sharpens_predictive", False))
+
+
+def _columns(bnn: BayesianModel) -> list[int]:
+    """Indices of :data:`TEMPERATURES` the search considers for ``bnn``."""
+    if sharpening_allowed(bnn):
+        return list(range(len(TEMPERATURES)))
+    return [i for i, t in enumerate(TEMPERATURES) if t >= 1.0]
+
+
 def _gather(parts: list[torch.Tensor], ctx: DistContext) -> torch.Tensor:
     """``[T, n]`` from this rank's ``[T, b]`` pieces, every rank's shard in rank order."""
     mine = (torch.cat(parts, dim=1) if parts
@@ -136,7 +150,8 @@ def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
         return logits_of(call_model(base, batch.model_input())).float()
 
     per_t = _gather([_base_nll(logits(batch), batch) for batch in batches()], ctx)
-    best = int(per_t.mean(1).argmin())
+    columns = _columns(bnn)
+    best = columns[int(per_t[columns].mean(1).argmin())]
     shift = None
     if signal:
         local = calibrate_shift(logits, batches) if ctx.is_main or not ctx.distributed else None
@@ -181,12 +196,11 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                 clean.append(c)
                 shifted.append(s)
                 bar.update(1)
-            clean_t = torch.stack(clean)
-            shifted_t = None if shifted[0] is None else torch.stack(shifted)
-            if not temperature:  # the temperature stays 1 (its index in the grid)
-                one = TEMPERATURES.index(1.0)
-                clean_t, shifted_t = clean_t[:, one:one + 1], (
-                    None if shifted_t is None else shifted_t[:, one:one + 1])
+            # the temperatures considered: T ≥ 1 unless the family sharpens; only 1 without
+            # the temperature search
+            columns = _columns(bnn) if temperature else [TEMPERATURES.index(1.0)]
+            clean_t = torch.stack(clean)[:, columns]
+            shifted_t = None if shifted[0] is None else torch.stack(shifted)[:, columns]
             if knob is not None and knob.rule == "min":  # the lowest clean NLL, nothing else
                 flat = int(clean_t.mean(-1).argmin())
                 v, t = flat // clean_t.shape[1], flat % clean_t.shape[1]
@@ -194,7 +208,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                 v, t = choose_joint(clean_t, shifted_t, reference,
                                     prefer=knob.prefer if knob is not None else "largest",
                                     grid=values if knob is not None else None)
-            chosen_t = TEMPERATURES[t] if temperature else 1.0
+            chosen_t = TEMPERATURES[columns[t]]
             if knob is not None:
                 knob.set(values[v])
                 record.update(_curves(knob, values, v, t, clean_t, shifted_t))

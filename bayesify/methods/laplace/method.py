@@ -46,6 +46,10 @@ class LaplaceMethod(Method):
     config_cls = LaplaceConfig
     wrappers: ClassVar = {nn.Linear: LaplaceLayer, nn.Conv1d: LaplaceLayer,
                           nn.Conv2d: LaplaceLayer, nn.Conv3d: LaplaceLayer}
+    #: the validation search may sharpen the predictive (T < 1): the GLM's epistemic variance
+    #: is larger off the data, so a sharpened broad posterior stays broad there
+    #: (bayesify.train.tuning.sharpening_allowed)
+    sharpens_predictive: ClassVar[bool] = True
 
     # -- structure and training --------------------------------------------------------
     def build(self, model: nn.Module, targets: list[str],
