@@ -374,14 +374,19 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from bayesify.demo import format_table, run_demo
+    import time
+
+    from bayesify.demo import compare_to_map, format_table, run_demo
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    start = time.perf_counter()
     results = run_demo(out_dir=args.out, methods=methods, seed=args.seed,
                        map_epochs=args.map_epochs, epochs=args.epochs,
                        progress=not args.no_progress, plots=not args.no_plots)
     print(format_table(results))
-    print(f"\nwrote {args.out}/results.json" + ("" if args.no_plots else
+    print("\n" + "\n".join(compare_to_map(results)))
+    print(f"\ndemo took {time.perf_counter() - start:.0f} s")
+    print(f"wrote {args.out}/results.json" + ("" if args.no_plots else
           f", {args.out}/reliability.png, {args.out}/uncertainty_hist.png"))
     return 0
 
