@@ -13,6 +13,7 @@ fills in ``--model``, ``--data``, ``--checkpoint`` and ``--image-size``.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -270,8 +271,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     out = Path(args.out or args.posterior or "bayesify-calibration")
     check_out(out)
     model, bundle, _ = resolve(args)
-    args.temperature = 1.0 if args.temperature is None else args.temperature
-    predictor = load_predictor(args, model)
+    # start from the posterior's own temperature (the one its fit chose and stored), not
+    # from a previous calibration.json: calibrating twice gives the same answer
+    predictor = load_predictor(args, model, calibration_file=False)
     loaders = bundle.loaders(batch_size=args.batch_size, seed=args.seed, workers=args.workers)
     staged = StagedOutput(out)
     with staged as stage:
@@ -290,9 +292,26 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         if is_main():
             write_json(stage / CALIBRATION_FILE, payload)
     if is_main():
+        print(calibration_summary(payload) + "\n")
         print(format_metrics(payload))
         print("\n" + staged.summary())
     return 0
+
+
+def calibration_summary(record: dict[str, Any]) -> str:
+    """The temperature ``bayesify calibrate`` applies, in words: where it started, the NLL
+    optimum, and why the applied value may differ from the optimum (the rule)."""
+    applied, start = record["temperature"], record["previous_temperature"]
+    optimum = record["optimum_temperature"]
+    owner = "the posterior's own" if record.get("posterior_checksum") else "no temperature"
+    text = f"applied temperature {applied:.4g} (started from {start:.4g}, {owner}"
+    if record["kept_previous"]:
+        return text + "; no other temperature lowered the validation NLL, so it is kept)"
+    text += f"; validation NLL optimum {optimum:.4g}"
+    if record.get("rule") == "one_se" and not math.isclose(applied, optimum, rel_tol=1e-6):
+        text += ("; rule 'one_se' applies the softest temperature whose validation NLL is within "
+                 "one standard error of the optimum's")
+    return text + f"): validation NLL {record['nll_before']:.4f} -> {record['nll_after']:.4f}"
 
 
 # -- export ---------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import math
 import os
 import re
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,6 +197,19 @@ def naming_unresponsive_ranks(ctx: DistContext) -> Iterator[None]:
         if ctx.distributed and is_collective_failure(err):
             raise describe_collective_failure(err, ctx) from err
         raise
+
+
+@contextlib.contextmanager
+def rank_zero_warnings(ctx: DistContext) -> Iterator[None]:
+    """Only rank 0 speaks: on the other ranks of a process group, warnings raised inside are
+    dropped (every rank sees the same run, so rank 0's warnings are the run's; without this,
+    ``torchrun --nproc_per_node=N`` prints each one N times)."""
+    if ctx.is_main:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def cleanup_distributed() -> None:

@@ -57,6 +57,7 @@ from bayesify.train.distributed import (
     broadcast_object,
     naming_unresponsive_ranks,
     rank_seed,
+    rank_zero_warnings,
     setup_distributed,
 )
 from bayesify.train.guard import buffers_restored_on_error
@@ -210,7 +211,8 @@ def fit(
     if clip_grad_norm is None:
         clip_grad_norm = defaults.get("clip_grad_norm")
     ctx = setup_distributed(device, bnn.device, timeout_s=timeout_s)
-    with naming_unresponsive_ranks(ctx):  # a silent rank is named, not a bare timeout
+    # a silent rank is named, not a bare timeout; only rank 0 warns
+    with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):
         if device is not None or ctx.device != bnn.device:
             bnn.to(ctx.device)
         checkpointing = checkpoint_dir is not None or resume is not None
@@ -284,7 +286,7 @@ def fit(
         bnn.eval()
         if start is not None and state.history:
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
-            warn_if_worse(method.name, start, state.history[-1])
+            warn_if_worse(method.name, start, state.history[-1], refused=tuple(step.refused))
         watch.finish(state, method.name)
         return result
 
