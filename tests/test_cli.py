@@ -70,9 +70,15 @@ def test_digits_fit_calibrate_evaluate_export(tmp_path, capsys):
     assert not (run / "calibration.json").exists()
     assert main(["calibrate", "--posterior", str(run), "--method", "ibnn", "--calibration",
                  "temperature", "--no-progress"]) == 0
-    assert "calibration.json" in capsys.readouterr().out.strip().splitlines()[-1]
+    printed = capsys.readouterr().out
+    assert "calibration.json" in printed.strip().splitlines()[-1]
     calibration = json.loads((run / "calibration.json").read_text())
     assert calibration["nll_after"] <= calibration["nll_before"]
+    # it starts from the temperature the fit stored, and says which one it applies (37.16)
+    stored = json.loads((run / "run.json").read_text())["history"][-1]["temperature"]
+    assert calibration["previous_temperature"] == pytest.approx(stored)
+    assert printed.startswith(f"applied temperature {calibration['temperature']:.4g} "
+                              f"(started from {stored:.4g}, the posterior's own")
     assert (run / "calibration_reliability.png").is_file()
 
     assert main(["evaluate", "--posterior", str(run), "--no-progress"]) == 0

@@ -50,6 +50,9 @@ class BasePredictor:
     #: "error" (default): NaN/inf inputs, and non-finite predictives of finite inputs,
     #: are a BayesifyError; "propagate": no checks (see bayesify.predict.serving)
     nonfinite: str = "error"
+    #: the class names of this predictor's last export that named them (``export(...,
+    #: class_names=...)``): later exports without ``class_names`` reuse them
+    class_names: list[str] | None = None
     _base_temperature: float = 1.0
 
     @property
