@@ -42,6 +42,17 @@ def _readme_block(marker: str) -> str:
 
 
 # -- 1. the install ----------------------------------------------------------------------
+def _run_without_extras(body: str) -> subprocess.CompletedProcess:
+    """``body`` in a fresh interpreter where every extra is "not installed" (a ``None`` in
+    ``sys.modules``: ``import`` raises ModuleNotFoundError, ``find_spec`` returns None)."""
+    script = f"import sys\nfor name in {EXTRAS_ONLY!r}:\n    sys.modules[name] = None\n" + body
+    return subprocess.run([sys.executable, "-c", script], check=False, cwd=ROOT,
+                          capture_output=True,
+                          text=True, timeout=600,
+                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                               "MPLBACKEND": "Agg", "PATH": "/usr/bin:/bin"})
+
+
 def test_core_install_needs_no_extra():
     """``pip install -e .``: the core dependencies are the library's, the peers and the
     ONNX / Hugging Face stacks are extras, and ``.[dev]`` still holds all of them (CI)."""
@@ -53,26 +64,36 @@ def test_core_install_needs_no_extra():
     dev = set(extras["dev"])
     for name in ("export", "hf", "text", "bench", "test"):
         assert set(extras[name]) <= dev, name
-    # the package imports and runs its demo with every extra unimportable
-    script = textwrap.dedent(f"""
-        import importlib.abc, sys
-        BLOCK = {EXTRAS_ONLY!r}
-        class Block(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path, target=None):
-                if name.split(".")[0] in BLOCK:
-                    raise ImportError("not installed: " + name)
-        sys.meta_path.insert(0, Block())
-        from bayesify.cli import main
-        sys.exit(main(["demo", "--out", sys.argv[1], "--map-epochs", "1", "--epochs", "1",
-                       "--no-progress", "--no-plots"]))
-    """)
-    done = subprocess.run([sys.executable, "-c", script, str(ROOT / ".pytest-core-demo")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                               "MPLBACKEND": "Agg", "PATH": "/usr/bin:/bin"})
-    import shutil
+    # every module but the Hugging Face integration imports, and a fit, a prediction and a
+    # .pt2 export run, with every extra missing
+    done = _run_without_extras(textwrap.dedent("""
+        import pkgutil, importlib, tempfile, torch
+        import bayesify
+        for info in pkgutil.walk_packages(bayesify.__path__, "bayesify."):
+            if info.name != "bayesify.integrations.hf":
+                importlib.import_module(info.name)
+        from torch.utils.data import DataLoader, TensorDataset
+        from bayesify import bayesify as wrap, fit
+        net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.Flatten(),
+                                  torch.nn.Linear(144, 5))
+        data = TensorDataset(torch.rand(16, 1, 8, 8), torch.randint(0, 5, (16,)))
+        bnn = wrap(net, "ibnn", components=2)
+        fit(bnn, DataLoader(data, batch_size=8), epochs=1, progress=False)
+        predictor = bnn.predictor(samples_per_component=1)
+        with tempfile.TemporaryDirectory() as out:
+            predictor.export(out + "/p.pt2", torch.rand(2, 1, 8, 8))
+        print("ok", predictor(torch.rand(2, 1, 8, 8)).probs.shape)
+    """))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ok torch.Size([2, 5])" in done.stdout
 
-    shutil.rmtree(ROOT / ".pytest-core-demo", ignore_errors=True)
+
+@pytest.mark.slow
+def test_demo_runs_without_extras(tmp_path):
+    done = _run_without_extras(
+        "from bayesify.cli import main\n"
+        f"sys.exit(main(['demo', '--out', {str(tmp_path)!r}, '--map-epochs', '1', "
+        "'--epochs', '1', '--no-progress', '--no-plots']))\n")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ibnn vs map:" in done.stdout
 
@@ -93,7 +114,7 @@ def test_contributing_points_at_files_that_exist():
 
 
 def test_readme_has_a_table_of_contents_naming_every_section():
-    sections = re.findall(r"^## (.+)$", README, flags=re.M)
+    sections = re.findall(r"^## (.+)$", README, flags=re.MULTILINE)
     contents = README.split("## Contents", 1)[1].split("\n## ", 1)[0]
     for title in sections:
         if title != "Contents":
@@ -108,9 +129,17 @@ def test_readme_layout_lists_every_example():
 
 
 def test_readme_first_example_runs_as_written(tmp_path, monkeypatch):
-    """The first example, verbatim: imports, data, a loader, what fit needs, a prediction."""
+    """The first example, verbatim: imports, data, a loader, what fit needs, a prediction.
+    Shortened for the suite (the code is the README's): 3 MAP epochs, 4 posterior steps and
+    a 2-point validation search instead of 20 epochs, 300 steps and 8 points."""
+    from bayesify.data import models
+    from bayesify.methods.ibnn.method import IBNNMethod
+
+    real = models.train_map
+    monkeypatch.setattr(models, "train_map", lambda net, data, epochs: real(net, data, epochs=3))
+    monkeypatch.setattr(IBNNMethod, "knob_grid", (0.0, 1.0))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("BAYESIFY_MIN_STEPS", "4")  # the example's fit, shortened for the suite
+    monkeypatch.setenv("BAYESIFY_MIN_STEPS", "4")
     scope: dict = {}
     exec(_readme_block("first example, tested by tests/test_first_hour.py"), scope)  # noqa: S102
     out = scope["out"]
@@ -247,8 +276,20 @@ def test_calibrate_warns_at_its_bound():
     x = torch.eye(4).repeat(10, 1)
     net = torch.nn.Linear(4, 4, bias=False)
     with torch.no_grad():
-        net.weight.copy_(torch.eye(4))
+        net.weight.copy_(3 * torch.eye(4))  # logits, not probabilities
     val = DataLoader(TensorDataset(x, torch.arange(4).repeat(10)), batch_size=16)
     with pytest.warns(UserWarning, match="lies at a bound of the search"):
         result = calibrate(ModelPredictor(net), val, rule="min", progress=False)
     assert result.temperature < 0.05
+
+
+def test_class_names_given_to_one_export_are_remembered_for_the_next(tmp_path):
+    predictor = bayesify(model(), "ibnn", components=1).predictor(samples_per_component=1)
+    x = torch.rand(2, 1, 8, 8)
+    names = ["zero", "one", "two", "three", "four"]
+    predictor.export(tmp_path / "a.pt2", x, class_names=names, verify=False)
+    again = predictor.export(tmp_path / "b.pt2", x, verify=False)
+    assert again["metadata"]["class_names"] == names
+    other = ["a", "b", "c", "d", "e"]  # naming them again replaces them
+    assert predictor.export(tmp_path / "c.pt2", x, class_names=other,
+                            verify=False)["metadata"]["class_names"] == other
