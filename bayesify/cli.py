@@ -302,16 +302,18 @@ def calibration_summary(record: dict[str, Any]) -> str:
     """The temperature ``bayesify calibrate`` applies, in words: where it started, the NLL
     optimum, and why the applied value may differ from the optimum (the rule)."""
     applied, start = record["temperature"], record["previous_temperature"]
-    optimum = record["optimum_temperature"]
     owner = "the posterior's own" if record.get("posterior_checksum") else "no temperature"
-    text = f"applied temperature {applied:.4g} (started from {start:.4g}, {owner}"
+    nll = f"validation NLL {record['nll_before']:.4f} -> {record['nll_after']:.4f}"
+    lines = [f"applied temperature {applied:.4g} ({nll})", f"  started from {start:.4g}, {owner}"]
     if record["kept_previous"]:
-        return text + "; no other temperature lowered the validation NLL, so it is kept)"
-    text += f"; validation NLL optimum {optimum:.4g}"
-    if record.get("rule") == "one_se" and not math.isclose(applied, optimum, rel_tol=1e-6):
-        text += ("; rule 'one_se' applies the softest temperature whose validation NLL is within "
-                 "one standard error of the optimum's")
-    return text + f"): validation NLL {record['nll_before']:.4f} -> {record['nll_after']:.4f}"
+        lines.append("  kept: no other temperature lowered the validation NLL")
+        return "\n".join(lines)
+    lines[1] += f"; validation NLL optimum {record['optimum_temperature']:.4g}"
+    if record.get("rule") == "one_se" and not math.isclose(applied, record["optimum_temperature"],
+                                                           rel_tol=1e-6):
+        lines.append("  rule 'one_se': the softest temperature within one standard error of "
+                     "the optimum's NLL")
+    return "\n".join(lines)
 
 
 # -- export ---------------------------------------------------------------------------------
