@@ -195,7 +195,7 @@ def test_fit_help_per_family(capsys):
             renamed = f"--{method}-{name.replace('_', '-')}"
             assert flag in text or renamed in text, (method, name)
     swag = _help(["fit", "--method", "swag", "--help"], capsys)
-    assert "--swag-lr V" in swag and "--swag-momentum V" in swag  # trainer owns --lr
+    assert "--swag-lr FLOAT" in swag and "--swag-momentum FLOAT" in swag  # trainer owns --lr
 
 
 def test_version(capsys):
