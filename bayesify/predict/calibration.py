@@ -283,10 +283,11 @@ BOUND_RTOL = 1e-3
 def _warn_at_bound(temperature: float, rows: int) -> None:
     """A temperature at the edge of the search is the data running out, not a fit."""
     edges = (T_BOUNDS[0], _GRID_RANGE[0], _GRID_RANGE[1], T_BOUNDS[1])
-    if any(abs(math.log(temperature / edge)) < BOUND_RTOL for edge in edges):
+    edge = next((e for e in edges if abs(math.log(temperature / e)) < BOUND_RTOL), None)
+    if edge is not None:
         warnings.warn(
             f"calibrate: the temperature {temperature:.4g} lies at a bound of the search "
-            f"(T in [{_GRID_RANGE[0]:g}, {_GRID_RANGE[1]:g}], {rows} validation examples): "
+            f"(its bound {edge:g}; {rows} validation examples): "
             "the validation NLL kept improving towards the bound, which usually means too few "
             "or too easy validation examples (or, at the top, a posterior far worse than its "
             "network: the temperature flattens it rather than calibrating it)",
