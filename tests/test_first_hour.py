@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import bayesify as bayesify_package
 from bayesify import bayesify, fit
 from bayesify.cli import main
 from bayesify.core.registry import get_method_class
@@ -28,6 +29,8 @@ from bayesify.train.distributed import DistContext
 from tests.test_registry_state import loader, model
 
 ROOT = Path(__file__).parents[1]
+#: the folder holding the ``bayesify`` package under test (the checkout, or its src/)
+PACKAGE_ROOT = Path(bayesify_package.__file__).parents[1]
 README = (ROOT / "README.md").read_text()
 #: what `import bayesify` and `bayesify demo` must run without (``pip install -e .``)
 EXTRAS_ONLY = ("transformers", "accelerate", "onnx", "onnxruntime", "onnxscript", "laplace",
@@ -49,7 +52,7 @@ def _run_without_extras(body: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script], check=False, cwd=ROOT,
                           capture_output=True,
                           text=True, timeout=600,
-                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                          env={"PYTHONPATH": str(PACKAGE_ROOT), "OMP_NUM_THREADS": "1",
                                "MPLBACKEND": "Agg", "PATH": "/usr/bin:/bin"})
 
 
