@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from bayesify.core.batch import model_ready
 from bayesify.core.context import SamplingContext
 from bayesify.core.digests import fingerprint_from_digests, tensor_digest
 from bayesify.core.extensions import implementation
@@ -173,13 +174,20 @@ class BayesianModel(nn.Module):
 
     @contextlib.contextmanager
     def deterministic(self) -> Iterator[BayesianModel]:
-        """Every noise variable replaced by the posterior mean of its component."""
-        previous = self.context.force_deterministic
-        self.context.force_deterministic = True
-        try:
-            yield self
-        finally:
-            self.context.force_deterministic = previous
+        """Every noise variable replaced by the posterior mean of its component.
+
+        The mode is the model's (every layer reads it), so the block holds the model's
+        lock (:func:`~bayesify.core.locks.model_lock`, re-entrant): predictions of other
+        threads wait for it instead of seeing posterior means mid-call, and calls in
+        this thread inside the block run as usual.
+        """
+        with model_lock(self):
+            previous = self.context.force_deterministic
+            self.context.force_deterministic = True
+            try:
+                yield self
+            finally:
+                self.context.force_deterministic = previous
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward of the wrapped model under the current sampling plan.
@@ -187,8 +195,13 @@ class BayesianModel(nn.Module):
         Without an active plan rows are dealt to components round-robin and noise
         is sampled (inside :meth:`deterministic`: posterior means).
         """
-        self.context.new_pass()
-        return self.model(*args, **kwargs)
+        args, kwargs = model_ready(self.model, args, kwargs)  # float64 → the model's dtype
+        if torch.compiler.is_compiling():  # traced: no Python lock in the graph
+            self.context.new_pass()
+            return self.model(*args, **kwargs)
+        with model_lock(self):  # the sampling plan is shared: one forward at a time
+            self.context.new_pass()
+            return self.model(*args, **kwargs)
 
     def training_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tiled logits ``[R, C]`` and targets ``[R]`` for one training batch (the batch
