@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,11 @@ from bayesify.core.walker import replace_modules
 
 if TYPE_CHECKING:
     from bayesify.core.method import Method
+
+def _compiling() -> bool:
+    """Whether ``torch.compile`` is tracing (without importing dynamo, ~4 s, when unused)."""
+    return "torch._dynamo" in sys.modules and torch.compiler.is_compiling()
+
 
 class BayesianModel(nn.Module):
     """A network with posteriors injected around its target layers.
@@ -196,7 +202,7 @@ class BayesianModel(nn.Module):
         is sampled (inside :meth:`deterministic`: posterior means).
         """
         args, kwargs = model_ready(self.model, args, kwargs)  # float64 → the model's dtype
-        if torch.compiler.is_compiling():  # traced: no Python lock in the graph
+        if _compiling():  # traced: no Python lock in the graph
             self.context.new_pass()
             return self.model(*args, **kwargs)
         with model_lock(self):  # the sampling plan is shared: one forward at a time
