@@ -271,7 +271,8 @@ def _integer(t: torch.Tensor) -> bool:
 
 def _conversion_hint(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> str:
     computes = f"the model computes in {dtype}" if dtype is not None else "the model takes floats"
-    return (f"{name} is a {t.dtype} tensor of shape {list(t.shape)} (integer images?) but "
+    return (f"{name} is a {t.dtype} tensor of shape {list(t.shape)} (integer images or "
+            f"features?) but "
             f"{computes}: convert the images as the model was trained, e.g. "
             "x.float() / 255 for 0–255 pixels followed by the model's normalisation, or the "
             "recorded preprocessing (bayesify.predict.preprocessing.apply_preprocessing, the "
@@ -281,15 +282,17 @@ def _conversion_hint(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> s
 def model_ready(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The inputs as ``model`` takes them: floating tensors (float64, float16, …) in the
-    model's own floating dtype; ``uint8`` tensors and integer tensors of ≥ 3 dimensions
-    (images, never token ids ``[B, T]``) refused with how to convert them, before torch
-    fails on them with a dtype error deep inside the network."""
+    model's own floating dtype; ``uint8`` tensors (images as decoded, never token ids)
+    refused with how to convert them, before torch fails on them with a dtype error deep
+    inside the network. Other integer tensors go through (token ids ``[B, T]``, also
+    ``[B, choices, T]``); a dtype error they cause becomes the same advice
+    (:func:`_calling`)."""
     dtype = model_dtype(model)
 
     def ready(name: str, v: Any) -> Any:
         if not isinstance(v, torch.Tensor):
             return v
-        if v.dtype == torch.uint8 or (_integer(v) and v.dim() >= 3):
+        if v.dtype == torch.uint8:
             raise BayesifyError(_conversion_hint(name, v, dtype))
         if dtype is not None and v.is_floating_point() and v.dtype != dtype:
             return v.to(dtype)
@@ -303,6 +306,12 @@ def model_ready(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 _DTYPE_ERROR = ("dtype", "scalar type", "should be the same", "not implemented for")
 
 
+def call_with(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``model(*args, **kwargs)`` with the dtype handling of :func:`model_ready`."""
+    args, kwargs = model_ready(model, args, kwargs)
+    return _calling(model, args, kwargs)
+
+
 def _calling(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``model(*args, **kwargs)``; a dtype error from integer inputs becomes a
     :class:`BayesifyError` saying how to convert them."""
@@ -313,7 +322,8 @@ def _calling(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                     if isinstance(v, torch.Tensor) and _integer(v)]
         if integers and any(text in str(err) for text in _DTYPE_ERROR):
             name, t = integers[0]
-            where = f"input {name!r}" if isinstance(name, str) else f"input {name}"
+            where = (f"input {name!r}" if isinstance(name, str) else
+                     "the input" if len(args) == 1 and not kwargs else f"input {name}")
             raise BayesifyError(_conversion_hint(where, t, model_dtype(model))
                                 + f" (torch said: {str(err).splitlines()[0]})") from err
         raise

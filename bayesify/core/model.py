@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.batch import model_ready
+from bayesify.core.batch import call_with
 from bayesify.core.context import SamplingContext
 from bayesify.core.digests import fingerprint_from_digests, tensor_digest
 from bayesify.core.extensions import implementation
@@ -201,13 +201,13 @@ class BayesianModel(nn.Module):
         Without an active plan rows are dealt to components round-robin and noise
         is sampled (inside :meth:`deterministic`: posterior means).
         """
-        args, kwargs = model_ready(self.model, args, kwargs)  # float64 → the model's dtype
+        # inputs in the model's dtype, uint8 images refused (bayesify.core.batch.model_ready)
         if _compiling():  # traced: no Python lock in the graph
             self.context.new_pass()
-            return self.model(*args, **kwargs)
+            return call_with(self.model, args, kwargs)
         with model_lock(self):  # the sampling plan is shared: one forward at a time
             self.context.new_pass()
-            return self.model(*args, **kwargs)
+            return call_with(self.model, args, kwargs)
 
     def training_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tiled logits ``[R, C]`` and targets ``[R]`` for one training batch (the batch
