@@ -254,3 +254,24 @@ def test_mismatched_ranks_a_checkpoint_dir_rank_0_cannot_write_stops_every_rank(
     errors = [r["checkpoint_dir_is_a_file"]["error"] for r in reports]
     assert errors[0] == errors[1]
     assert "rank 0: checkpoint_dir=" in errors[0] and "is a file, not a directory" in errors[0]
+
+
+def test_job_differences_name_every_differing_field_with_both_values():
+    from bayesify import bayesify
+    from bayesify.train.distributed import describe_job, job_differences
+
+    w = _load_script()
+    train = DataLoader(TensorDataset(torch.randn(12, 4), torch.zeros(12).long()), batch_size=4)
+    same = {"lr": 0.1, "epochs": 2, "seed": None, "val_loader": None}
+    jobs = [describe_job(bayesify(w.base_model(), "ibnn", components=2), train, same)
+            for _ in range(3)]
+    assert job_differences(jobs) == []  # a fresh init per rank is fine: DDP broadcasts it
+    jobs[2] = describe_job(bayesify(w.base_model(), "ibnn", components=2), train,
+                           {**same, "lr": 0.05, "val_loader": train})
+    jobs[1] = describe_job(bayesify(w.base_model(), "ibnn", components=2),
+                           DataLoader(train.dataset, batch_size=3), {**same, "lr": 0.05})
+    diffs = job_differences(jobs)
+    assert "fit.lr: rank 0 has 0.1, rank 1 has 0.05 (and 1 other rank(s))" in diffs
+    assert "fit.val_loader given: rank 0 has False, rank 2 has True" in diffs
+    assert "train_loader.batch_size: rank 0 has 4, rank 1 has 3" in diffs
+    assert "train_loader.batches_per_epoch: rank 0 has 3, rank 1 has 4" in diffs
