@@ -144,7 +144,7 @@ def _interrupted_run(tmp_path: Path, *, shuffle: bool, bn_train: bool, val: bool
     ("shuffle", r"shuffle \(the training loader shuffles\): True in the checkpointed run, False now"),
     ("bn_train", r"bn_train \(BatchNorm statistics train\): False in the checkpointed run, True now"),
     ("val_loader", r"val_loader \(a validation loader is given\): True .*, False now .*validation"),
-])
+], ids=["shuffle", "bn_train", "val_loader"])
 def test_resume_refuses_a_changed_sampler_bn_train_or_missing_val_loader(tmp_path, change, match):
     directory = _interrupted_run(tmp_path, shuffle=True, bn_train=False, val=True)
     settings = {"shuffle": True, "bn_train": False, "val": True}
