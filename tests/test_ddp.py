@@ -275,3 +275,7 @@ def test_job_differences_name_every_differing_field_with_both_values():
     assert "fit.val_loader given: rank 0 has False, rank 2 has True" in diffs
     assert "train_loader.batch_size: rank 0 has 4, rank 1 has 3" in diffs
     assert "train_loader.batches_per_epoch: rank 0 has 3, rank 1 has 4" in diffs
+    thawed = bayesify(w.base_model(), "ibnn", components=2)
+    next(iter(thawed.base_parameters())).requires_grad_(True)  # DDP would reduce one more
+    diffs = job_differences([jobs[0], describe_job(thawed, train, same)])
+    assert len(diffs) == 1 and diffs[0].startswith("trainable_base_tensors: rank 0 has '")

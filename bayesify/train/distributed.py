@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import itertools
 import math
 import os
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from bayesify.errors import BayesifyError
+from bayesify.version import __version__
 
 #: seconds a collective waits for the other ranks before failing
 DEFAULT_TIMEOUT_S = 600.0
@@ -293,6 +295,10 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
+def _names_digest(names: list[str]) -> str:
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:12]
+
+
 def _loader_facts(loader: Any) -> dict[str, Any]:
     """What fixes the batches of an epoch: dataset length, batch size, drop_last,
     sampler type and the loader's length (each ``None`` when the loader has none)."""
@@ -315,11 +321,14 @@ def describe_job(bnn: Any, train_loader: Any, options: dict[str, Any]) -> dict[s
     """What every rank of one ``fit`` must agree on, as flat ``{field: value}``.
 
     Model: method, config, targets, posterior shapes, base fingerprint (the base
-    weights when wrapped), ``bn_train``. Fit options: :data:`JOB_OPTIONS` by value,
+    weights when wrapped), ``bn_train``, which base tensors train, dtype, torch and
+    bayesify versions. Fit options: :data:`JOB_OPTIONS` by value,
     :data:`JOB_PRESENCE` by presence. Data: dataset length, batch size, drop_last,
     sampler, batches per epoch of ``train_loader``.
     """
     job: dict[str, Any] = {}
+    trainable = [n for n, p in bnn.named_base_parameters() if p.requires_grad]
+    first = next(iter(bnn.parameters()), None)
     model = {
         "method": bnn.method_name,
         "config": _plain(bnn.method.config.to_dict()),
@@ -327,6 +336,10 @@ def describe_job(bnn: Any, train_loader: Any, options: dict[str, Any]) -> dict[s
         "posterior_shapes": {n: list(p.shape) for n, p in bnn.named_posterior_parameters()},
         "base_fingerprint": bnn.base_fingerprint,
         "bn_train": bool(getattr(bnn, "bn_train", False)),
+        # DDP reduces exactly the trainable tensors: every rank must have the same ones
+        "trainable_base_tensors": f"{len(trainable)} ({_names_digest(trainable)})",
+        "dtype": None if first is None else str(first.dtype),
+        "versions": {"torch": torch.__version__, "bayesify": __version__},
     }
     _flatten("", model, job)
     for key in JOB_OPTIONS:
