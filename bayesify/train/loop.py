@@ -214,13 +214,13 @@ def fit(
         clip_grad_norm = defaults.get("clip_grad_norm")
     ctx = setup_distributed(device, bnn.device, timeout_s=timeout_s)
     with naming_unresponsive_ranks(ctx):  # a silent rank is named, not a bare timeout
-        # before anything else: every output location is writable and (torchrun) every
-        # rank runs the same job, or every rank stops with the same error
+        if device is not None or ctx.device != bnn.device:
+            bnn.to(ctx.device)
+        # before the first collective: every output location is writable and (torchrun)
+        # every rank runs the same job, or every rank stops with the same error
         agree_on_job(ctx, functools.partial(describe_job, bnn, train_loader, dict(locals())),
                      refusal=ckpt.probe_outputs(checkpoint_dir=checkpoint_dir, log_dir=log_dir)
                      if ctx.is_main else None)
-        if device is not None or ctx.device != bnn.device:
-            bnn.to(ctx.device)
         checkpointing = checkpoint_dir is not None or resume is not None
         payload = ckpt.read_for_resume(resume, ctx) if resume is not None else None
         state = TrainContext(
