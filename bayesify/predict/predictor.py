@@ -24,6 +24,7 @@ from bayesify.errors import BayesifyError
 from bayesify.kit.stacked import StackedModels
 from bayesify.predict.serving import (
     check_inputs,
+    check_max_rows,
     check_nonfinite_policy,
     check_prediction,
     check_temperature,
@@ -240,7 +241,7 @@ class EnsemblePredictor(BasePredictor):
         self.samples_per_component = (
             samples_per_component or bnn.posterior_config.default_samples()
         )
-        self.max_rows = int(max_rows)
+        self.max_rows = check_max_rows(max_rows)
         self.seed = seed
         self.batch_fn = batch_fn
         #: defaults to the temperature saved with the posterior (1 until calibrated)
