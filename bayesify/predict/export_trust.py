@@ -205,6 +205,15 @@ def _finish_interrupted(path: Path) -> None:
         pass
 
 
+def _complete_metadata(path: Path, lines: list[tuple[str, str]]) -> None:
+    """A commit interrupted after the program's rename leaves ``FILE.json`` pending:
+    finish it, so the metadata beside the file is the program's."""
+    sha = _recorded(lines, _json_path(path).name, metadata=True)
+    if (sha is not None and _pending(path, sha, metadata=True)
+            and file_sha256(_json_path(path)) != sha):
+        _finish_interrupted(path)
+
+
 def commit_export(path: Path, program: bytes, metadata_text: str) -> list[Path]:
     """Steps 1–4 of the module docstring; returns ``[FILE, FILE.json, FILE.sha256]``."""
     files = [path, _json_path(path), sha256_path(path)]
@@ -252,7 +261,8 @@ def read_verified(path: Path, *, check_sha256: bool = True) -> bytes:
             "check_sha256=False for a file you trust (the archive checks still apply)")
     problem = ""
     for _ in range(_READ_ATTEMPTS):
-        expected = _recorded(read_record(record), path.name, metadata=False) or ""
+        lines = read_record(record)
+        expected = _recorded(lines, path.name, metadata=False) or ""
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -262,6 +272,7 @@ def read_verified(path: Path, *, check_sha256: bool = True) -> bytes:
         if data is not None:
             actual = sha256_of(data)
             if actual == expected:
+                _complete_metadata(path, lines)
                 return data
             problem = (f"{path} does not match its integrity record {record.name} (sha256 "
                        f"{actual[:16]}… ≠ {expected[:16]}…): the file was changed or damaged "
