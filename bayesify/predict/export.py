@@ -264,9 +264,11 @@ def export_predictor(
     ``class_names=`` or a Hugging Face ``id2label`` —, ``preprocessing`` — ``"auto"``
     takes a timm model's own, or pass a torchvision transform / a description —, the
     family, the posterior fingerprint), repeated in ``FILE.json``; ``FILE.sha256`` is
-    its integrity record, checked by :func:`run_exported`. With ``verify`` the saved
-    file is reloaded through the same checks and its probs / epistemic must match the
-    in-process predictor to ``atol`` on the example. Returns ``{"path", "format",
+    its integrity record, checked by :func:`run_exported`. With ``verify`` the file's
+    bytes are read back through the same checks and its probs / epistemic must match
+    the in-process predictor to ``atol`` on the example. Only then are the three files
+    written, as one commit (:func:`~bayesify.predict.export_trust.commit_export`): a
+    failure at any point leaves the previous export whole. Returns ``{"path", "format",
     "method", "members", "temperature", "max_abs_diff", "inputs", "dynamic_axes",
     "sha256", "files", "metadata"}``.
     """
