@@ -264,30 +264,45 @@ def read_verified(path: Path, *, check_sha256: bool = True) -> bytes:
         lines = read_record(record)
         expected = _recorded(lines, path.name, metadata=False) or ""
         try:
-            data = path.read_bytes()
+            data, actual = _read_if_recorded(path, expected)
         except FileNotFoundError:
-            data = None
+            data, problem = None, f"cannot read the export {path}: it does not exist"
         except OSError as err:
             raise BayesifyError(f"cannot read the export {path}: {err}") from err
-        if data is not None:
-            actual = sha256_of(data)
-            if actual == expected:
+        else:
+            if data is not None:
                 _complete_metadata(path, lines)
                 return data
             problem = (f"{path} does not match its integrity record {record.name} (sha256 "
                        f"{actual[:16]}… ≠ {expected[:16]}…): the file was changed or damaged "
                        "after export; refusing it")
-        else:
-            problem = f"cannot read the export {path}: it does not exist"
         for candidate in _pending(path, expected):  # committed, not yet renamed into place
             try:
-                data = candidate.read_bytes()
+                data, _ = _read_if_recorded(candidate, expected)
             except OSError:
                 continue
-            if sha256_of(data) == expected:
+            if data is not None:
                 _finish_interrupted(path)
                 return data
     raise BayesifyError(problem)
+
+
+#: files larger than this are hashed in blocks before they are read into memory
+_HASH_FIRST_BYTES = 256 << 20
+
+
+def _read_if_recorded(path: Path, expected: str) -> tuple[bytes | None, str]:
+    """``(bytes, sha256)`` of ``path`` when it hashes to ``expected``, else ``(None, sha256)``.
+    A large file is hashed in blocks first, so a wrong one (a 64 GiB sparse file) is
+    refused without being held in memory; only a matching one is read (and hashed again:
+    what is returned is what was checked)."""
+    if path.stat().st_size > _HASH_FIRST_BYTES:
+        actual = file_sha256(path)
+        if actual != expected:
+            return None, actual or "unreadable"
+    data = path.read_bytes()
+    actual = sha256_of(data)
+    return (data if actual == expected else None), actual
 
 
 # -- the .pt2 archive -------------------------------------------------------------------------
