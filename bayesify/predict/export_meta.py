@@ -7,8 +7,9 @@ An exported predictor carries a metadata record (:func:`export_metadata`)::
      "preprocessing", "inputs", "dynamic_axes", "outputs": ["probs", "epistemic"],
      "posterior_fingerprint", "base_fingerprint"}
 
-``class_names``: given, else the wrapped Hugging Face model's ``config.id2label``
-(unless it is the generic ``LABEL_i``), else ``None``. ``preprocessing``: see
+``class_names``: given, else those given to the same predictor's previous export, else
+the wrapped Hugging Face model's ``config.id2label`` (unless it is the generic ``LABEL_i``),
+else ``None``. ``preprocessing``: see
 :mod:`bayesify.predict.preprocessing` (``"auto"``: a timm model's own). The
 fingerprints are sha256 over the posterior tensors (MAP: the model's state) and
 over the base weights as they were wrapped, as in ``save_posterior``.
@@ -77,7 +78,10 @@ def export_metadata(predictor: BasePredictor, *, fmt: str, members: int, num_cla
     """The metadata record of one export (see the module docstring)."""
     from bayesify.version import __version__
 
-    names = default_class_names(predictor) if class_names is None else [str(c) for c in class_names]
+    if class_names is not None:
+        names = [str(c) for c in class_names]
+    else:  # the names given to this predictor's previous export, else a HF id2label
+        names = getattr(predictor, "class_names", None) or default_class_names(predictor)
     if names is not None and len(names) != num_classes:
         raise BayesifyError(f"class_names has {len(names)} entries but the predictor has "
                             f"{num_classes} classes")
@@ -96,22 +100,19 @@ def export_metadata(predictor: BasePredictor, *, fmt: str, members: int, num_cla
     }
 
 
-def save_pt2(program: torch.export.ExportedProgram, path: Path, metadata: dict[str, Any]) -> None:
-    """``torch.export.save`` with the metadata as ``extra/bayesify.json`` (written through a
-    buffer, so the archive's root folder does not carry the temporary file's name)."""
+def pt2_bytes(program: torch.export.ExportedProgram, metadata: dict[str, Any]) -> bytes:
+    """``torch.export.save`` with the metadata as ``extra/bayesify.json``, in memory (the
+    archive's root folder does not carry a temporary file's name)."""
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         # torch warns when frozen member tables share one storage; the payload is complete
         warnings.filterwarnings("ignore", message="No complete tensor found in the group")
         torch.export.save(program, buffer, extra_files={METADATA_NAME: json.dumps(metadata)})
-    path.write_bytes(buffer.getvalue())
+    return buffer.getvalue()
 
 
-def embed_onnx_metadata(path: Path, metadata: dict[str, Any]) -> None:
-    """Add the record to the ONNX model's ``metadata_props`` (in place)."""
-    import onnx
-
-    model = onnx.load(str(path))
+def onnx_bytes(model: Any, metadata: dict[str, Any]) -> bytes:
+    """The serialised ONNX ``ModelProto`` with the record in its ``metadata_props``."""
     props = {"bayesify": json.dumps(metadata),
              "class_names": json.dumps(metadata["class_names"]),
              "preprocessing": json.dumps(metadata["preprocessing"]),
@@ -122,15 +123,13 @@ def embed_onnx_metadata(path: Path, metadata: dict[str, Any]) -> None:
     model.metadata_props.extend(kept)
     for key, value in props.items():
         model.metadata_props.add(key=key, value=value)
-    onnx.save(model, str(path))
+    return model.SerializeToString()
+
+
+def metadata_text(metadata: dict[str, Any]) -> str:
+    """``FILE.json``: the same record beside the file."""
+    return json.dumps(metadata, indent=2)
 
 
 def json_path(path: Path) -> Path:
     return path.with_name(path.name + JSON_SUFFIX)
-
-
-def write_metadata_json(path: Path, metadata: dict[str, Any]) -> Path:
-    """``FILE.json``: the same record beside the file."""
-    target = json_path(path)
-    target.write_text(json.dumps(metadata, indent=2))
-    return target
