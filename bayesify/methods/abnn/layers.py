@@ -104,11 +104,6 @@ class PlainNorm(metaclass=_NormProbe):
     normalisation (``isinstance`` runs :func:`norm_axis`)."""
 
 
-def _tracing() -> bool:
-    exporting = getattr(torch.compiler, "is_exporting", lambda: False)
-    return torch.compiler.is_compiling() or exporting() or torch.jit.is_tracing()
-
-
 class BayesNormLayer(BayesianLayer):
     """Wraps a normalisation layer; ``member_weight, member_bias [K, C]`` are the members' γ, β."""
 
@@ -153,15 +148,14 @@ class BayesNormLayer(BayesianLayer):
                              broadcast_rows(gamma, x, self.axis).to(x.dtype))
 
     def _mean_forward(self, x: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
-        """No noise: one fused call per member (bit for bit the wrapped layer at init)."""
-        if self.member_weight.shape[0] == 1:
-            return self._fused(x, 0)
-        if _tracing():  # a per-row affine map: no data-dependent control flow
-            return self._affine(x, comp, None)
-        out = torch.empty_like(x)
-        for k in torch.unique(comp).tolist():
-            idx = (comp == k).nonzero().squeeze(1)
-            out[idx] = self._fused(x.index_select(0, idx), k)
+        """No noise: the wrapped layer's fused kernel with each member's γ, β, selected per
+        row (bit for bit the wrapped layer at init, its memory layout kept)."""
+        if self.base_layer.training and isinstance(self.base_layer, nn.modules.batchnorm._BatchNorm):
+            return self._affine(x, comp, None)  # batch statistics: normalise once
+        out = self._fused(x, 0)
+        for k in range(1, self.member_weight.shape[0]):
+            mask = (comp == k).view(-1, *([1] * (x.dim() - 1)))
+            out = torch.where(mask, self._fused(x, k), out)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
