@@ -21,7 +21,7 @@ class ABNNConfig(MethodConfig):
         "pixels / tokens). 0 is the pretrained network bit for bit. Noise in every normalisation "
         "layer compounds with depth: 0.05 keeps a pretrained CNN or ViT within a point of its "
         "accuracy before any fine-tuning; the validation-tuned abnn_noise_scale sets the "
-        "predictive σ (0 … 2·σ).")
+        "predictive σ (0 … σ: never more noise than the members were fine-tuned under).")
     prior_std: float = option(
         0.05, "s: Gaussian prior N(pretrained, s²) on every member's γ and β: the term "
         "Σ (γ_k − γ₀)² + (β_k − β₀)² / (2 s²), divided by N_train like a KL, keeps the members "
