@@ -58,6 +58,10 @@ PEER_RECIPES: dict[str, dict[str, Any]] = {
                        "optimizer": "adam", "lr": 1e-3, "epochs": 40, "members": 16},
     "mc-dropout": {"p": 0.1, "where": "before every Conv/Linear but the stem",
                    "fine_tune": "all weights, adamw lr 1e-3", "epochs": 40, "members": 16},
+    "ddu-density": {"features": "input of the classifier (penultimate)", "density": "Gaussian "
+                    "per class, tied covariance + 1e-3·mean-variance shrinkage, fitted post hoc "
+                    "on the 200 training images", "ood_score": "-log p(φ(x))",
+                    "predictive": "the pretrained network (MAP)"},
     "deep-ensemble-x5": {"members": 5, "training": "5 pretrained networks (seeds), member 0 "
                          "= the starting network; all training time counted"},
 }
@@ -120,7 +124,49 @@ def build_deep_ensemble(base, p, loaders, *, context, **_):
     return ModelPredictor(members), {}
 
 
-PEERS = {"laplace-torch": build_laplace_torch, "bayesian-torch": build_bayesian_torch,
+class FeatureDensityPredictor(ModelPredictor):
+    """DDU-style baseline (Mukhoti et al. 2023): the pretrained network's predictive, and as
+    OOD score the negative log density of its penultimate features under a Gaussian
+    class-conditional model fitted post hoc (class means, tied shrunk covariance)."""
+
+    def __init__(self, model: torch.nn.Module, loader: Any) -> None:
+        super().__init__(model)
+        feats, labels = [], []
+        for x, y in loader:
+            feats.append(self.features(x))
+            labels.append(y)
+        f, y = torch.cat(feats).double(), torch.cat(labels)
+        classes = sorted(set(y.tolist()))
+        self.means = torch.stack([f[y == c].mean(0) for c in classes])
+        centred = f - self.means[torch.searchsorted(torch.tensor(classes), y)]
+        cov = centred.T @ centred / max(1, f.shape[0] - len(classes))
+        cov += 1e-3 * cov.diagonal().mean() * torch.eye(cov.shape[0], dtype=cov.dtype)
+        self.precision = torch.linalg.inv(cov)
+        self.log_prior = torch.log(torch.tensor([float((y == c).sum()) for c in classes],
+                                                dtype=torch.float64) / y.numel())
+
+    @torch.no_grad()
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        head = [m for m in self.models[0].modules() if isinstance(m, torch.nn.Linear)][-1]
+        got: list[torch.Tensor] = []
+        handle = head.register_forward_pre_hook(lambda _m, args: got.append(args[0]))
+        try:
+            self.models[0].eval()(x)
+        finally:
+            handle.remove()
+        return got[0].flatten(1)
+
+    def ood_score(self, x: torch.Tensor) -> torch.Tensor:
+        diff = self.features(x).double()[:, None, :] - self.means[None]  # [N, K, D]
+        maha = torch.einsum("nkd,de,nke->nk", diff, self.precision, diff)
+        return -torch.logsumexp(self.log_prior - 0.5 * maha, dim=1).float()
+
+
+def build_ddu(base, p, loaders, **_):
+    return FeatureDensityPredictor(base, loaders["train"]), {}
+
+
+PEERS = {"laplace-torch": build_laplace_torch, "ddu-density": build_ddu, "bayesian-torch": build_bayesian_torch,
          "mc-dropout": build_mc_dropout, "deep-ensemble-x5": build_deep_ensemble}
 
 
@@ -182,6 +228,9 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
                  "fit_cpu_seconds": fit_s, "predict_seconds": predict_s,
                  "test": point_stats(logits, ty), "ood": point_stats(predictions(predictor, ood), None),
                  "sweeps": {}, "search": record or {}}
+        if hasattr(predictor, "ood_score"):  # feature-density rows: their OOD score in the H column
+            entry["test"]["entropy"] = predictor.ood_score(tx)
+            entry["ood"]["entropy"] = predictor.ood_score(ood)
         for kind, xs in shifted.items():
             s = point_stats(predictions(predictor, xs), ty)
             entry["sweeps"][kind] = {"nll": s["nll"], "correct": s["correct"],

@@ -22,6 +22,8 @@ _METHODS: dict[str, str] = {
     "batchensemble": "bayesify.methods.batchensemble.method:BatchEnsembleMethod",
     "dropout": "bayesify.methods.dropout.method:DropoutMethod",
     "ensemble": "bayesify.methods.ensemble.method:EnsembleMethod",
+    "abnn": "bayesify.methods.abnn.method:ABNNMethod",
+    "epinet": "bayesify.methods.epinet.method:EpinetMethod",
 }
 
 

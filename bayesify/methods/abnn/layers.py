@@ -1,0 +1,178 @@
+"""Bayesian normalisation layer (ABNN): ``y = γ_k·(x̂ ⊙ (1 + σ·ε)) + β_k``.
+
+``x̂`` is the wrapped layer's normalisation without its affine part (BatchNorm with its
+running statistics, LayerNorm over the features, GroupNorm over its groups), ``k`` the
+member of the row, ``ε ~ N(0, 1)`` one value per row and channel (shared over pixels and
+tokens, so the exported noise does not depend on the input size). ``γ_k, β_k [K, C]``
+start at the pretrained affine parameters; with σ = 0 (or under ``deterministic()``)
+the layer calls the same fused kernel as the wrapped layer, so the pretrained network is
+reproduced bit for bit.
+
+Which modules are wrapped is decided by what they compute, not by their class name: a
+BatchNorm / LayerNorm / GroupNorm (or a subclass, e.g. timm's ``LayerNorm2d``) is a target
+when its output on a probe input equals the plain normalisation over the channel axis 1
+or the last axis (:func:`norm_axis`); a subclass that adds an activation (timm's
+``BatchNormAct2d``) is not, because this layer would drop the activation.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bayesify.core.context import SamplingContext
+from bayesify.core.layers import BayesianLayer, broadcast_rows
+from bayesify.errors import BayesifyError
+from bayesify.kit.knobs import knob_value
+from bayesify.methods.abnn.config import ABNNConfig
+
+NORM_TYPES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm,
+                                           nn.GroupNorm)
+
+
+def _channels(module: nn.Module) -> int:
+    if isinstance(module, nn.LayerNorm):
+        return int(module.normalized_shape[0])
+    if isinstance(module, nn.GroupNorm):
+        return int(module.num_channels)
+    return int(module.num_features)
+
+
+def _probe_inputs(module: nn.Module) -> list[tuple[int, torch.Tensor]]:
+    """``(axis, x)`` candidates: the channel axis and an input of the module's rank."""
+    c = _channels(module)
+    gen = torch.Generator().manual_seed(0)
+    if isinstance(module, nn.LayerNorm):
+        return [(-1, torch.randn(2, 3, c, generator=gen)),
+                (1, torch.randn(2, c, 3, 3, generator=gen))]
+    if isinstance(module, nn.BatchNorm1d):
+        return [(1, torch.randn(2, c, 3, generator=gen))]
+    if isinstance(module, nn.BatchNorm3d):
+        return [(1, torch.randn(2, c, 2, 2, 2, generator=gen))]
+    return [(1, torch.randn(2, c, 3, 3, generator=gen))]
+
+
+def _normalise(module: nn.Module, x: torch.Tensor, axis: int, weight: torch.Tensor | None,
+               bias: torch.Tensor | None, *, training: bool = False) -> torch.Tensor:
+    """The plain normalisation of ``module`` (affine ``weight``, ``bias`` or none) on ``x``
+    with channels at ``axis`` (1 or −1)."""
+    if isinstance(module, nn.LayerNorm):
+        if axis == -1:
+            return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
+        moved = x.movedim(1, -1)
+        return F.layer_norm(moved, module.normalized_shape, weight, bias, module.eps).movedim(-1, 1)
+    if isinstance(module, nn.GroupNorm):
+        return F.group_norm(x, module.num_groups, weight, bias, module.eps)
+    stats = module.running_mean is None or training
+    momentum = 0.1 if module.momentum is None else module.momentum
+    return F.batch_norm(x, module.running_mean, module.running_var, weight, bias, stats,
+                        momentum, module.eps)
+
+
+def norm_axis(module: nn.Module) -> int | None:
+    """The channel axis (1 or −1) of a normalisation layer whose output is the plain
+    normalisation with its affine parameters, else ``None`` (not a normalisation layer, a
+    multi-dimensional LayerNorm shape, or a subclass computing something else)."""
+    if not isinstance(module, NORM_TYPES):
+        return None
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
+        return None
+    probe = copy.deepcopy(module).float().eval().cpu()
+    for axis, x in _probe_inputs(probe):
+        try:
+            with torch.no_grad():
+                got = probe(x)
+                want = _normalise(probe, x, axis, probe.weight, probe.bias)
+        except (RuntimeError, ValueError, IndexError, TypeError):
+            continue
+        if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(
+                got, want, atol=1e-5, rtol=1e-5):
+            return axis
+    return None
+
+
+class _NormProbe(type):
+    def __instancecheck__(cls, instance: object) -> bool:
+        return isinstance(instance, nn.Module) and norm_axis(instance) is not None
+
+
+class PlainNorm(metaclass=_NormProbe):
+    """Wrapper-table key: a BatchNorm / LayerNorm / GroupNorm that computes the plain
+    normalisation (``isinstance`` runs :func:`norm_axis`)."""
+
+
+class BayesNormLayer(BayesianLayer):
+    """Wraps a normalisation layer; ``member_weight, member_bias [K, C]`` are the members' γ, β."""
+
+    def __init__(self, base_layer: nn.Module, *, context: SamplingContext, config: ABNNConfig) -> None:
+        super().__init__(base_layer, context)
+        axis = norm_axis(base_layer)
+        if axis is None:
+            raise BayesifyError(
+                f"abnn wraps BatchNorm / LayerNorm (one normalised dimension) / GroupNorm layers "
+                f"that compute the plain normalisation; {type(base_layer).__name__} does not")
+        self.axis = axis
+        c, k = _channels(base_layer), config.components
+        ref = next(base_layer.parameters(), None)
+        factory = {"device": ref.device if ref is not None else None, "dtype": torch.float32}
+        weight = getattr(base_layer, "weight", None)
+        bias = getattr(base_layer, "bias", None)
+        weight = weight.detach().float() if weight is not None else torch.ones(c, **factory)
+        bias = bias.detach().float() if bias is not None else torch.zeros(c, **factory)
+        self.member_weight = nn.Parameter(weight.expand(k, c).clone())
+        self.member_bias = nn.Parameter(bias.expand(k, c).clone())
+        self.register_buffer("prior_weight", weight.clone())
+        self.register_buffer("prior_bias", bias.clone())
+        self.noise_std = float(config.noise_std)
+        self.prior_std = float(config.prior_std)
+
+    def num_nodes(self) -> int:
+        return self.member_weight.shape[1]
+
+    def _fused(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """The wrapped layer's own kernel with member ``k``'s γ, β."""
+        return _normalise(self.base_layer, x, self.axis, self.member_weight[k].to(x.dtype),
+                          self.member_bias[k].to(x.dtype), training=self.base_layer.training)
+
+    def _affine(self, x: torch.Tensor, comp: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """``γ_r ⊙ x̂ ⊙ scale_r + β_r`` with per-row ``γ_r, β_r`` of the rows' members."""
+        xhat = _normalise(self.base_layer, x, self.axis, None, None, training=self.base_layer.training)
+        gamma = self.member_weight.index_select(0, comp)
+        if scale is not None:
+            gamma = gamma * scale
+        beta = self.member_bias.index_select(0, comp)
+        return torch.addcmul(broadcast_rows(beta, x, self.axis).to(x.dtype), xhat,
+                             broadcast_rows(gamma, x, self.axis).to(x.dtype))
+
+    def _mean_forward(self, x: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
+        """No noise: the wrapped layer's fused kernel with each member's γ, β, selected per
+        row (bit for bit the wrapped layer at init, its memory layout kept)."""
+        if self.base_layer.training and isinstance(self.base_layer, nn.modules.batchnorm._BatchNorm):
+            return self._affine(x, comp, None)  # batch statistics: normalise once
+        out = self._fused(x, 0)
+        for k in range(1, self.member_weight.shape[0]):
+            mask = (comp == k).view(-1, *([1] * (x.dim() - 1)))
+            out = torch.where(mask, self._fused(x, k), out)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with channels at ``self.axis`` → same shape."""
+        comp = self.context.components_for(x.shape[0], x.device)
+        if self.context.deterministic or self.noise_std == 0.0:
+            return self._mean_forward(x, comp)
+        eps = self.context.draw(self.layer_id, x.shape[0], (self.num_nodes(),), x.device)
+        scale = 1.0 + (self.noise_std * knob_value(self)) * eps  # [R, C] fp32
+        return self._affine(x, comp, scale)
+
+    def kl(self) -> torch.Tensor:
+        """Prior term ``Σ_k Σ_c ((γ_kc − γ₀c)² + (β_kc − β₀c)²) / (2 s²)`` (fp32)."""
+        dw = self.member_weight.float() - self.prior_weight
+        db = self.member_bias.float() - self.prior_bias
+        return (dw.pow(2).sum() + db.pow(2).sum()) / (2.0 * self.prior_std**2)
+
+    def extra_repr(self) -> str:
+        k, c = self.member_weight.shape
+        return f"members={k}, channels={c}, axis={self.axis}, noise_std={self.noise_std}"

@@ -1,0 +1,163 @@
+"""ABNN (Franchi et al. 2024): the layer's equation against a brute force, σ = 0 is the
+pretrained network bit for bit (BatchNorm, LayerNorm, GroupNorm, a channel-first LayerNorm
+subclass), normalisation subclasses that compute something else are left alone, the prior
+term and the random class-weight prior against their formulas, and the export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bayesify import bayesify
+from bayesify.methods.abnn.layers import BayesNormLayer, norm_axis
+from bayesify.methods.abnn.method import ABNNStep, class_weights
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """timm's channel-first LayerNorm: normalises axis 1 of ``[B, C, H, W]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 2, 3, 1)
+        x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return x.permute(0, 3, 1, 2)
+
+
+class BatchNormAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d: BatchNorm followed by an activation (not a plain norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(super().forward(x))
+
+
+class NormNet(nn.Module):
+    """Every normalisation kind on ``[B, 2, 6, 6]`` → 4 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.gn = nn.GroupNorm(2, 8)
+        self.ln2d = LayerNorm2d(8)
+        self.bnact = BatchNormAct(8)
+        self.ln = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bnact(self.ln2d(self.gn(F.relu(self.bn(self.conv(x))))))
+        return self.fc(self.ln(h.mean((2, 3))))
+
+
+def pretrained_normnet() -> nn.Module:
+    torch.manual_seed(0)
+    net = NormNet()
+    with torch.no_grad():  # non-trivial affine parameters and statistics
+        for m in net.modules():
+            if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)):
+                m.weight.copy_(1 + 0.3 * torch.randn_like(m.weight))
+                m.bias.copy_(0.2 * torch.randn_like(m.bias))
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.copy_(0.1 * torch.randn_like(m.running_mean))
+                m.running_var.copy_(0.5 + torch.rand_like(m.running_var))
+    return net.eval()
+
+
+def test_targets_are_the_plain_normalisations():
+    net = pretrained_normnet()
+    bnn = bayesify(net, "abnn")
+    assert bnn.targets == ["bn", "gn", "ln2d", "ln"]  # BatchNormAct adds a ReLU: not a target
+    axes = {n: layer.axis for n, layer in bnn.bayesian_layers().items()}
+    assert axes == {"bn": 1, "gn": 1, "ln2d": 1, "ln": -1}
+    assert norm_axis(net.bnact) is None and norm_axis(net.fc) is None
+
+
+@pytest.mark.parametrize("options", [{"noise_std": 0.0}, {"noise_std": 0.0, "components": 1}, {}])
+def test_zero_noise_is_the_pretrained_network_bit_for_bit(options):
+    net = pretrained_normnet()
+    x = torch.randn(5, 2, 6, 6)
+    with torch.no_grad():
+        expected = net(x)
+        bnn = bayesify(net, "abnn", **options).eval()
+        if options:  # σ = 0: every member of the predictive is the network itself
+            members = bnn.member_logits(x)
+            assert members.shape[0] == bnn.method.components * 4
+            assert all(torch.equal(m, expected) for m in members)
+            assert torch.equal(bnn(x), expected)
+        with bnn.deterministic():
+            assert torch.equal(bnn(x), expected)
+        if not options:  # the default σ > 0 does perturb the members
+            assert not torch.allclose(bnn.member_logits(x)[0], expected)
+
+
+def test_layer_equation_against_a_brute_force():
+    """``y = γ_k·(x̂ ⊙ (1 + σ·ε)) + β_k`` for the row's member k, ε per row and channel."""
+    torch.manual_seed(1)
+    bn = nn.BatchNorm2d(3).eval()
+    bn.running_mean.normal_()
+    bn.running_var.uniform_(0.5, 2.0)
+    net = nn.Sequential(nn.Conv2d(1, 3, 1), bn, nn.Flatten(), nn.Linear(3 * 4 * 4, 2)).eval()
+    bnn = bayesify(net, "abnn", noise_std=0.3, components=2)
+    layer: BayesNormLayer = bnn.model[1]
+    with torch.no_grad():
+        layer.member_weight.copy_(torch.randn(2, 3))
+        layer.member_bias.copy_(torch.randn(2, 3))
+    x = torch.randn(4, 3, 4, 4)
+    comp = torch.tensor([0, 1, 1, 0])
+    with torch.no_grad(), bnn.context.use(comp, generator=torch.Generator().manual_seed(5)):
+        got = layer(x)
+    eps = torch.randn(4, 3, generator=torch.Generator().manual_seed(5))
+    xhat = (x - bn.running_mean[:, None, None]) / torch.sqrt(bn.running_var[:, None, None] + bn.eps)
+    gamma = layer.member_weight[comp][:, :, None, None].detach()
+    beta = layer.member_bias[comp][:, :, None, None].detach()
+    expected = gamma * (xhat * (1 + 0.3 * eps[:, :, None, None])) + beta
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # the knob scales σ at prediction only
+    bnn.eval()
+    bnn.state.set("abnn_noise_scale", 0.0)
+    with torch.no_grad():
+        torch.testing.assert_close(bnn.member_logits(x[:, :1]), bnn.member_logits(x[:, :1], seed=9))
+
+
+def test_prior_term_and_random_prior_against_their_formulas():
+    net = pretrained_normnet()
+    bnn = bayesify(net, "abnn", prior_std=0.2, random_prior=2.0, components=3)
+    assert float(bnn.kl()) == 0.0  # the members start at the pretrained values
+    layer = bnn.bayesian_layers()["ln"]
+    with torch.no_grad():
+        layer.member_weight[1] += 0.1
+        layer.member_bias[2] -= 0.3
+    expected = (8 * 0.1**2 + 8 * 0.3**2) / (2 * 0.2**2)
+    assert abs(float(bnn.kl()) - expected) < 1e-4
+    # η_kc = 1 + 2·u_kc, fixed per member; the NLL is the η-weighted mean over the rows
+    eta = class_weights(3, 4, 2.0, 0)
+    assert torch.equal(eta, class_weights(3, 4, 2.0, 0)) and (eta >= 1).all() and (eta < 3).all()
+    step = ABNNStep(bnn.method.config, 3)
+    x, y = torch.randn(6, 2, 6, 6), torch.tensor([0, 1, 2, 3, 0, 1])
+    bnn.train()
+    torch.manual_seed(3)
+    nll, kl = step.terms(bnn, x, y)
+    torch.manual_seed(3)
+    logits, targets = step.forward(bnn, x, y)
+    rows = torch.arange(6) % 3
+    w = eta[rows, targets]
+    want = (w * F.cross_entropy(logits, targets, reduction="none")).sum() / w.sum()
+    torch.testing.assert_close(nll, want)
+    torch.testing.assert_close(kl, bnn.kl())
+
+
+@pytest.mark.slow  # ~45 s (torch.export); the default run exports abnn in test_export_architectures
+def test_export_equals_in_process(tmp_path):
+    from bayesify.predict.export import run_exported
+
+    bnn = bayesify(pretrained_normnet(), "abnn", components=2, predict_samples=2).eval()
+    bnn.state.set("abnn_noise_scale", 1.5)
+    predictor = bnn.predictor(seed=4, temperature=1.3)
+    x = torch.randn(7, 2, 6, 6)
+    info = predictor.export(tmp_path / "a.pt2", x[:3])
+    assert info["members"] == 4 and info["max_abs_diff"] <= 1e-5
+    probs, epistemic = run_exported(tmp_path / "a.pt2", x)
+    reference = predictor(x)
+    torch.testing.assert_close(probs, reference.probs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(epistemic, reference.epistemic, atol=1e-5, rtol=0)
+    assert reference.epistemic.min() > 0
