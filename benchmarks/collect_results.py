@@ -49,6 +49,11 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "families before/after", "python benchmarks/temperature29.py --seeds 0 1 2; "
              "python benchmarks/quality.py --seeds 0 1 2 --methods laplace ibnn swag ensemble "
              "deep-ensemble-x5 laplace-torch (main and this change)"),
+        Part("issue36_summary.md", "ABNN and the epinet against the start, a deep ensemble, "
+             "laplace-torch and a feature-density baseline (issue 36)",
+             "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
+             "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
+             "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
         Part("issue7.md", "Temperature scaling, every family",
              "python benchmarks/issue7.py --out benchmarks/results/issue7.json",
              section="## Temperature scaling"),
