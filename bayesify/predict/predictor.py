@@ -282,6 +282,31 @@ class EnsemblePredictor(BasePredictor):
             finally:
                 self.bnn.train(was_training)
 
+    def require_posterior(self, what: str) -> None:
+        """Refuse ``what`` on a family whose posterior only ``fit`` builds (Laplace's
+        curvature, SWAG's moments, snapshot ensembles) before it exists: the predictive
+        would be the pretrained network's with epistemic 0, and nothing would say so."""
+        bnn = self.bnn
+        if not bnn.method.step().ready(bnn):
+            raise BayesifyError(
+                f"{what}: method {bnn.method_name!r} builds its posterior in bayesify.fit, and "
+                "this model has none yet (its predictions would be the pretrained network's, "
+                "with epistemic uncertainty 0). Run bayesify.fit(bnn, train_loader) first, or "
+                "load a saved one with bayesify.load_posterior(base_model, directory)")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Prediction:
+        self.require_posterior("predictor(x)")
+        return super().__call__(*args, **kwargs)
+
+    def evaluate(self, loader: Iterable, ood_loader: Iterable | None = None,
+                 **kwargs: Any) -> dict[str, Any]:
+        self.require_posterior("predictor.evaluate")
+        return super().evaluate(loader, ood_loader, **kwargs)
+
+    def calibrate(self, val_loader: Iterable, method: str = "temperature", **kwargs: Any) -> Any:
+        self.require_posterior("predictor.calibrate")
+        return super().calibrate(val_loader, method=method, **kwargs)
+
     def export_members(self, example: Any) -> torch.nn.Module:
         """The family's frozen members (``Method.export_module``) in eval mode."""
         bnn = self.bnn

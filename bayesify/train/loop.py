@@ -50,7 +50,7 @@ from bayesify.train.budget import (  # noqa: F401 - re-exported
     default_min_steps,
 )
 from bayesify.train.context import TrainContext, TrainState
-from bayesify.train.data import TrainData
+from bayesify.train.data import TrainData, training_set_size
 from bayesify.train.distributed import (
     DistContext,
     all_reduce_sum,
@@ -297,7 +297,7 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
     """Optimiser, schedules, seeded sharded data and noise stream of a gradient step;
     returns the fit options a checkpoint must match."""
     bnn, ctx = state.bnn, state.ctx
-    n_train = n_train or _dataset_size(train_loader)
+    n_train = n_train or _dataset_size(train_loader, state.batch_fn)
     lr_schedule, base_lr_schedule = parse_schedule(lr_schedule), parse_schedule(base_lr_schedule)
     opt = build_optimizer(bnn, lr=lr, base_lr=base_lr, optimizer=optimizer, momentum=momentum,
                           weight_decay=weight_decay, base_weight_decay=base_weight_decay,
@@ -476,9 +476,6 @@ def _num_classes(bnn: BayesianModel, batch: Any) -> int:
         bnn.train(was_training)
 
 
-def _dataset_size(loader: Iterable) -> int:
-    dataset = getattr(loader, "dataset", None)
-    if dataset is None:
-        raise BayesifyError("cannot infer N_train from the loader; pass n_train=...")
-    return len(dataset)
+def _dataset_size(loader: Iterable, batch_fn: BatchFn | None = None) -> int:
+    return training_set_size(loader, batch_fn=batch_fn)
 
