@@ -214,7 +214,7 @@ def check_keywords(model: Any, batch: Batch) -> None:
     import inspect
 
     try:
-        params = inspect.signature(model).parameters
+        params = inspect.signature(model.forward if isinstance(model, nn.Module) else model).parameters
     except (TypeError, ValueError):  # builtins, scripted modules: nothing to compare
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
