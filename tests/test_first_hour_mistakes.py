@@ -74,7 +74,7 @@ def test_mapping_with_other_label_key_is_refused_with_a_batch_fn_example():
 
 
 def test_mapping_keys_the_model_does_not_take_are_refused():
-    x, y = data()
+    x, _ = data()
     bnn = bayesify.bayesify(TinyCNN(), method="ibnn")
     with pytest.raises(BayesifyError) as err:
         bnn.predictor(2)({"images": x[:2]})
@@ -137,3 +137,38 @@ def test_load_posterior_onto_a_head_with_another_class_count(tmp_path):
     bnn.save_posterior(tmp_path / "post")
     with pytest.raises(BayesifyError, match="the head has 5 classes, the posterior 3"):
         bayesify.load_posterior(TinyCNN(classes=5), tmp_path / "post")
+
+
+# -- item 10: shape mistakes named with the layer, the user's shape and the fix ------------
+@pytest.mark.parametrize("shape,fix", [
+    ((8, 1, 8, 8), "x.expand(-1, 3, -1, -1)"),
+    ((3, 8, 8), "add a batch dimension"),
+    ((8, 8, 8, 3), "x.permute(0, 3, 1, 2)"),
+])
+@pytest.mark.parametrize("method", ["ibnn", "meanfield"])
+def test_shape_mistakes_in_the_predictor(shape, fix, method):
+    bnn = bayesify.bayesify(TinyCNN(), method=method)
+    with pytest.raises(BayesifyError) as err:
+        bnn.predictor(2)(torch.randn(*shape))
+    msg = str(err.value)
+    assert "layer 'conv' (Conv2d)" in msg and f"Your input has shape {shape}" in msg and fix in msg
+    assert "160" not in msg  # never the internal tiled batch
+
+
+def test_wrong_image_size_names_the_head_and_resizing():
+    bnn = bayesify.bayesify(TinyCNN(), method="ibnn")
+    with pytest.raises(BayesifyError) as err:
+        bnn.predictor(2)(torch.randn(8, 3, 16, 16))
+    msg = str(err.value)
+    assert "layer 'fc' (Linear)" in msg and "resize" in msg and "(8, 3, 16, 16)" in msg
+
+
+def test_shape_mistake_in_fit_names_the_users_batch():
+    x = torch.randn(8, 8, 8, 3)
+    bnn = bayesify.bayesify(TinyCNN(), method="ibnn")
+    loader = DataLoader(TensorDataset(x, torch.zeros(8).long()), batch_size=4)
+    with pytest.raises(BayesifyError) as err:
+        bayesify.fit(bnn, loader, epochs=1, progress=False)
+    msg = str(err.value)
+    assert msg.startswith("fit: the input does not fit layer 'conv'")
+    assert "(4, 8, 8, 3)" in msg and "permute" in msg

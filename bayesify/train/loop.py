@@ -38,7 +38,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesify.core.batch import BatchFn, call_model
-from bayesify.core.checks import check_finite_batch, check_labels
+from bayesify.core.checks import check_finite_batch, check_labels, explain_shapes
 from bayesify.core.outputs import check_not_probabilities, logits_of
 from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train import evaluate as evaluation
@@ -469,7 +469,13 @@ def _num_classes(bnn: BayesianModel, batch: Any) -> int:
     bnn.eval()
     try:
         with bnn.deterministic():
-            logits = logits_of(call_model(bnn.model, batch.rows(slice(0, 4)).model_input()))
+            inputs = batch.rows(slice(0, 4)).model_input()
+            try:
+                logits = logits_of(call_model(bnn.model, inputs))
+            except Exception:  # a shape mistake is named with the layer and the user's shape
+                explain_shapes(bnn.model, lambda: call_model(bnn.model, inputs),
+                               inputs=batch.model_input(), where="fit")
+                raise
             check_not_probabilities(logits, where="fit")
             return int(logits.shape[-1])
     finally:
