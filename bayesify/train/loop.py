@@ -43,6 +43,7 @@ from bayesify.core.outputs import check_not_probabilities, logits_of
 from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train import evaluate as evaluation
 from bayesify.train import resume as ckpt
+from bayesify.train.best import BestState
 from bayesify.train.budget import (  # noqa: F401 - re-exported
     DEFAULT_MIN_STEPS,
     EPOCHS_HELP,
@@ -66,7 +67,6 @@ from bayesify.train.hooks import (
     HistoryLog,
     as_callback,
     starting_metrics,
-    warn_if_worse,
 )
 from bayesify.train.options import validate_fit_options
 from bayesify.train.schedules import parse_schedule
@@ -250,6 +250,8 @@ def fit(
         start = (starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=state.amp,
                                   progress=progress)
                  if val_loader is not None and payload is None else None)
+        best = BestState(state, start, fresh=payload is None, batch_fn=batch_fn,
+                         samples_per_component=val_samples_per_component)
         if step.optimizes:
             _forward(state, compile=compile, find_unused_parameters=find_unused_parameters)
         result = FitResult(history=state.history)
@@ -274,6 +276,7 @@ def fit(
                                            batch_fn=batch_fn, progress=progress,
                                            desc=f"validate epoch {state.epoch + 1}")
                 record.update({f"val_{k}": v for k, v in metrics.items() if isinstance(v, float)})
+                best.see(record, is_last=is_last)
             state.history.append(record)
             state.epoch, state.step, state.totals = state.epoch + 1, 0, {}
             if run.directory is not None:
@@ -282,10 +285,10 @@ def fit(
             for hook in hooks:
                 hook.on_epoch_end(state, record)
         bnn.eval()
+        watch.finish(state, method.name)  # about the trajectory, before a state is restored
         if start is not None and state.history:
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
-            warn_if_worse(method.name, start, state.history[-1])
-        watch.finish(state, method.name)
+            best.finish(state.history[-1], method.name)  # never worse than the start
         return result
 
 
