@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 def _minutes(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.1f} s"
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
@@ -85,7 +87,7 @@ class FitClock:
         # from the end of the first step on, unless there is only one
         if len(marks) >= 2:
             per_step = (marks[-1] - marks[0]) / (len(marks) - 1)
-            measured = f"steps 2–{done}"
+            measured = f"steps 2–{done}" if done > 2 else "step 2"
         else:
             per_step, measured = marks[-1] - self._began, "the first step"
         training = per_step * self.total_steps
