@@ -115,3 +115,17 @@ def test_val_every_is_still_checked(val_every):
 
     with pytest.raises((BayesifyError, TypeError), match="val_every"):
         fit(bayesify(net(), "ibnn"), loader(20), val_every=val_every, progress=False)
+
+
+def test_the_search_scores_each_perturbation_on_every_third_example():
+    from bayesify.core.batch import Batch
+    from bayesify.train.tuning import interleaved
+
+    x = torch.arange(7.0)[:, None].repeat(1, 3)
+    mask = torch.ones(7, 3, dtype=torch.long)
+    copies = [Batch((x + 100 * k,), {"mask": mask * k}, torch.arange(7)) for k in range(3)]
+    mixed = interleaved(copies)
+    for r in range(7):
+        assert torch.equal(mixed.args[0][r], copies[r % 3].args[0][r])
+        assert torch.equal(mixed.kwargs["mask"][r], copies[r % 3].kwargs["mask"][r])
+    assert torch.equal(mixed.labels, torch.arange(7))

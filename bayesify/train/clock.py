@@ -9,8 +9,8 @@ before a tenth is done when the fit has 20 steps or more) it logs the expected t
 
 and puts ``expected_seconds`` into the first epoch's record. The validation part is the
 starting network's validation time (measured) × the predictor's members per example, once
-per planned validation, plus the validation search (``grid × 4`` passes: clean and three
-shifted copies).
+per planned validation, plus the validation search (``grid × 2`` passes: clean and one
+interleaved shifted copy).
 
 **Validation between epochs** (``fit(val_every=None)``, the default) runs only while it is
 cheap: after an epoch, when the validation time spent so far plus one more validation stays
@@ -59,7 +59,7 @@ class FitClock:
         self.val_estimate = (start_seconds * members if start_seconds is not None
                              and state.val_loader is not None else None)
         knobs = bnn.method.knobs(bnn) if state.val_loader is not None else []
-        self.search_passes = 4 * max(1, sum(len(k.grid) for k in knobs))
+        self.search_passes = 2 * max(1, sum(len(k.grid) for k in knobs))
 
     # -- the expected duration ------------------------------------------------------------
     @property
