@@ -92,7 +92,7 @@ class FitClock:
             per_step, measured = marks[-1] - self._began, "the first step"
         training = per_step * self.total_steps
         validation, what = self._validation_estimate()
-        total = training + validation
+        total = self._same_on_every_rank(training + validation)
         self.state.logged["expected_seconds"] = total
         if self.state.ctx.is_main:
             logger.info("fit: about %s in all — %d optimiser steps × %.2g s = %s of training "
@@ -130,10 +130,16 @@ class FitClock:
         return bool(broadcast_object(cheap, ctx)) if ctx.distributed else cheap
 
     def validated(self, seconds: float) -> float:
-        """A validation took ``seconds``: the next estimate is that; returns ``seconds``."""
+        """A validation took ``seconds``: the next estimate is that; returns ``seconds``
+        (rank 0's under ``torchrun``: the history is the same on every rank)."""
+        seconds = self._same_on_every_rank(seconds)
         self.val_seconds += seconds
         self.val_estimate = seconds
         return seconds
+
+    def _same_on_every_rank(self, value: float) -> float:
+        ctx = self.state.ctx
+        return float(broadcast_object(value, ctx)) if ctx.distributed else value
 
     def on_epoch_end(self, state: Any, record: dict[str, Any]) -> None:
         return None
