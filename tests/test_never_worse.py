@@ -64,6 +64,26 @@ def test_a_good_fit_keeps_its_last_state(pretrained):
 FAST = ["--no-progress", "--option", "components=2", "--option", "predict_samples=1"]
 
 
+def test_exit_code_and_calibrate_refusal_follow_the_fits_outcome(tmp_path, capsys):
+    from bayesify.cli import exit_if_worse, fit_outcome, refuse_worse_run
+    from bayesify.errors import BayesifyError
+
+    history = [{"epoch": 1, "start_val_accuracy": 1.0, "start_val_nll": 0.03},
+               {"epoch": 2, "val_accuracy": 0.33, "val_nll": 1.1, "kept": "start",
+                "kept_val_accuracy": 0.5, "kept_val_nll": 0.9, "worse_than_start": True}]
+    assert exit_if_worse(history, tmp_path, "ibnn") == 3
+    err = capsys.readouterr().err
+    assert "accuracy 0.5000 vs 1.0000" in err and "`bayesify methods ibnn`" in err
+    (tmp_path / "run.json").write_text(json.dumps({"outcome": fit_outcome(history)}))
+    with pytest.raises(BayesifyError, match="calibrating it would hide that"):
+        refuse_worse_run(str(tmp_path))
+    history[-1]["worse_than_start"] = False
+    assert exit_if_worse(history, tmp_path, "ibnn") == 0
+    (tmp_path / "run.json").write_text(json.dumps({"outcome": fit_outcome(history)}))
+    refuse_worse_run(str(tmp_path))  # a run no worse than its start is calibrated
+
+
+@pytest.mark.slow
 def test_cli_exits_nonzero_and_calibrate_refuses_a_run_worse_than_its_start(tmp_path, capsys):
     """`bayesify fit` on digits with component means far from 1 and an lr too small to bring
     them back (even the start of the posterior is worse than the network): exit 3 with the
