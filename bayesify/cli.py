@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -316,8 +317,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     check_out(out)
     refuse_worse_run(args.posterior)
     model, bundle, _ = resolve(args)
-    args.temperature = 1.0 if args.temperature is None else args.temperature
-    predictor = load_predictor(args, model)
+    # start from the posterior's own temperature (the one its fit chose and stored), not
+    # from a previous calibration.json: calibrating twice gives the same answer
+    predictor = load_predictor(args, model, calibration_file=False)
     loaders = bundle.loaders(batch_size=args.batch_size, seed=args.seed, workers=args.workers)
     staged = StagedOutput(out)
     with staged as stage:
@@ -336,9 +338,28 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         if is_main():
             write_json(stage / CALIBRATION_FILE, payload)
     if is_main():
+        print(calibration_summary(payload) + "\n")
         print(format_metrics(payload))
         print("\n" + staged.summary())
     return 0
+
+
+def calibration_summary(record: dict[str, Any]) -> str:
+    """The temperature ``bayesify calibrate`` applies, in words: where it started, the NLL
+    optimum, and why the applied value may differ from the optimum (the rule)."""
+    applied, start = record["temperature"], record["previous_temperature"]
+    owner = "the posterior's own" if record.get("posterior_checksum") else "no temperature"
+    nll = f"validation NLL {record['nll_before']:.4f} -> {record['nll_after']:.4f}"
+    lines = [f"applied temperature {applied:.4g} ({nll})", f"  started from {start:.4g}, {owner}"]
+    if record["kept_previous"]:
+        lines.append("  kept: no other temperature lowered the validation NLL")
+        return "\n".join(lines)
+    lines[1] += f"; validation NLL optimum {record['optimum_temperature']:.4g}"
+    if record.get("rule") == "one_se" and not math.isclose(applied, record["optimum_temperature"],
+                                                           rel_tol=1e-6):
+        lines.append("  rule 'one_se': the softest temperature within one standard error of "
+                     "the optimum's NLL")
+    return "\n".join(lines)
 
 
 # -- export ---------------------------------------------------------------------------------
@@ -420,14 +441,19 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from bayesify.demo import format_table, run_demo
+    import time
+
+    from bayesify.demo import compare_to_map, format_table, run_demo
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    start = time.perf_counter()
     results = run_demo(out_dir=args.out, methods=methods, seed=args.seed,
                        map_epochs=args.map_epochs, epochs=args.epochs,
                        progress=not args.no_progress, plots=not args.no_plots)
     print(format_table(results))
-    print(f"\nwrote {args.out}/results.json" + ("" if args.no_plots else
+    print("\n" + "\n".join(compare_to_map(results)))
+    print(f"\ndemo took {time.perf_counter() - start:.0f} s")
+    print(f"wrote {args.out}/results.json" + ("" if args.no_plots else
           f", {args.out}/reliability.png, {args.out}/uncertainty_hist.png"))
     return 0
 

@@ -243,8 +243,10 @@ class OnDevice:
             yield x.to(device), y.to(device)
 
 
-def load_predictor(args: argparse.Namespace, model: Any) -> Any:
-    """The posterior predictor of ``--posterior`` (or MAP) with its temperature."""
+def load_predictor(args: argparse.Namespace, model: Any, *, calibration_file: bool = True) -> Any:
+    """The posterior predictor of ``--posterior`` (or MAP) with its temperature: ``--temperature``,
+    else ``RUN/calibration.json`` (unless ``calibration_file=False``), else the posterior's
+    own (the one its fit stored)."""
     from bayesify.persistence import load_posterior
     from bayesify.predict.predictor import ModelPredictor
 
@@ -256,7 +258,7 @@ def load_predictor(args: argparse.Namespace, model: Any) -> Any:
     calibration = Path(args.posterior or ".") / CALIBRATION_FILE
     if args.temperature is not None:
         predictor.temperature = float(args.temperature)
-    elif args.posterior is not None and calibration.is_file():
+    elif calibration_file and args.posterior is not None and calibration.is_file():
         from bayesify.predict.calibration import read_calibration_file
 
         # checked: finite and > 0, and fitted on this posterior (a stale file is refused)

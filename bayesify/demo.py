@@ -114,6 +114,46 @@ def _cell(row: dict[str, Any], column: str) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+# which way is better for each compared metric (fit_seconds is a cost, not a result)
+HIGHER_IS_BETTER = {"accuracy": True, "nll": False, "ece": False, "brier": False,
+                    "ood_auroc_entropy": True, "ood_auroc_mi": True, "corrupt_nll": False}
+
+
+def compare_to_map(results: dict[str, dict[str, Any]], *, places: int = 4) -> list[str]:
+    """One line per posterior: the metrics where it beats MAP, ties, and loses to it.
+
+    Values are compared as the table prints them (``places`` decimals), so a "tie" is a tie
+    on the page. A loss is said in words: the demo never shows a posterior that is worse than
+    the network it started from without saying so.
+    """
+    base = results.get("map", {})
+    lines = []
+    for name, row in results.items():
+        if name == "map":
+            continue
+        better, worse, tied = [], [], []
+        for metric, higher in HIGHER_IS_BETTER.items():
+            mine, theirs = row.get(metric), base.get(metric)
+            if not isinstance(mine, float) or not isinstance(theirs, float):
+                continue  # n/a: a single network has no mutual information
+            a, b = round(mine, places), round(theirs, places)
+            shown = f"{metric} {mine:.{places}f} vs {theirs:.{places}f}"
+            if a == b:
+                tied.append(metric)
+            elif (a > b) == higher:
+                better.append(shown)
+            else:
+                worse.append(shown)
+        lines.append(f"{name} vs map: better on {', '.join(better) or 'nothing'}; "
+                     f"worse on {', '.join(worse) or 'nothing'}"
+                     + (f"; tied on {', '.join(tied)}" if tied else ""))
+        if worse:
+            lines.append(f"  note: on this run {name} is worse than the MAP network it started "
+                         f"from on {len(worse)} of {len(better) + len(worse) + len(tied)} metrics; "
+                         "a posterior is not automatically better than its network")
+    return lines
+
+
 def format_table(results: dict[str, dict[str, Any]], columns: tuple[str, ...] = COLUMNS) -> str:
     header = ["method", *columns]
     rows = [header] + [

@@ -5,8 +5,9 @@ Every phase that can take more than a few seconds (training epochs, validation,
 a ``tqdm`` bar that disappears when done (``leave=False``), shown only on rank 0
 under ``torchrun`` and never when the caller passes ``progress=False``. Phases
 without batches (export, resume) say what they did through :mod:`logging` — every
-module logs to ``logging.getLogger(__name__)``, a child of ``"bayesify"``, so
-``logging.basicConfig(level=logging.INFO)`` (or a handler on ``"bayesify"``) shows them.
+module logs to ``logging.getLogger(__name__)``, a child of ``"bayesify"``, so a handler
+on ``"bayesify"`` at INFO shows them (the README's lines; ``logging.basicConfig`` at INFO
+would show every other library's INFO lines too).
 """
 
 from __future__ import annotations

@@ -30,6 +30,11 @@ class Part:
 
 
 CAPABILITIES: list[tuple[str, str, list[Part]]] = [
+    ("The first hour", ("What a newcomer waits for: the demo, the README's first example, the "
+     "tests."), [
+        Part("first_hour.md", "bayesify demo, the first example and the tests: time and verdict",
+             "OMP_NUM_THREADS=1 /usr/bin/time -v bayesify demo --no-progress"),
+    ]),
     ("Quality", ("How good the posteriors are: NLL, calibration, shift and OOD against peers "
      "and the starting network."), [
         Part("issue13.md", "Defaults on a pretrained network, every family",
@@ -102,8 +107,8 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
 
 HEADER = """# bayesify benchmark results
 
-Organised by capability: quality, speed and overhead, scale (data parallel), export,
-persistence. Every part names the command that regenerates it and the commit and date its
+Organised by capability: the first hour, quality, speed and overhead, scale (data
+parallel), export, persistence. Every part names the command that regenerates it and the commit and date its
 numbers come from (the fragment under `benchmarks/results/` the script wrote). Machines
 here are shared and noisy: compare ratios measured in the same run, not absolute times
 across runs. Unless a part says otherwise the machine is the 2-core CPU sandbox with no

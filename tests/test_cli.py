@@ -70,9 +70,16 @@ def test_digits_fit_calibrate_evaluate_export(tmp_path, capsys):
     assert not (run / "calibration.json").exists()
     assert main(["calibrate", "--posterior", str(run), "--method", "ibnn", "--calibration",
                  "temperature", "--no-progress"]) == 0
-    assert "calibration.json" in capsys.readouterr().out.strip().splitlines()[-1]
+    printed = capsys.readouterr().out
+    assert "calibration.json" in printed.strip().splitlines()[-1]
     calibration = json.loads((run / "calibration.json").read_text())
     assert calibration["nll_after"] <= calibration["nll_before"]
+    # it starts from the temperature the fit stored, and says which one it applies (37.16)
+    stored = json.loads((run / "run.json").read_text())["history"][-1]["temperature"]
+    assert calibration["previous_temperature"] == pytest.approx(stored)
+    said = printed.splitlines()
+    assert said[0].startswith(f"applied temperature {calibration['temperature']:.4g} ")
+    assert said[1].startswith(f"  started from {stored:.4g}, the posterior's own")
     assert (run / "calibration_reliability.png").is_file()
 
     assert main(["evaluate", "--posterior", str(run), "--no-progress"]) == 0
@@ -178,7 +185,7 @@ def test_fit_help_per_family(capsys):
     assert "from --posterior" not in generic  # fit has no --posterior
     assert len(generic.splitlines()) < 100
     ibnn = _help(["fit", "--method", "ibnn", "--help"], capsys)
-    assert "--components V" in ibnn and "(default: 4)" in ibnn and "--cfg-" not in ibnn
+    assert "--components INT" in ibnn and "(default: 4)" in ibnn and "--cfg-" not in ibnn
     assert "--per-member-bn" not in ibnn  # another family's option
     for method in list_methods():
         text = _help(["fit", "--method", method, "--help"], capsys)
@@ -188,7 +195,7 @@ def test_fit_help_per_family(capsys):
             renamed = f"--{method}-{name.replace('_', '-')}"
             assert flag in text or renamed in text, (method, name)
     swag = _help(["fit", "--method", "swag", "--help"], capsys)
-    assert "--swag-lr V" in swag and "--swag-momentum V" in swag  # trainer owns --lr
+    assert "--swag-lr FLOAT" in swag and "--swag-momentum FLOAT" in swag  # trainer owns --lr
 
 
 def test_version(capsys):

@@ -115,11 +115,13 @@ def test_per_family_help_is_the_family_page(method, capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--method", method, "--help"])
     text = capsys.readouterr().out
-    assert len(text.splitlines()) < 80 and f"options of --method {method}" in text
+    # the family's options with their whole help texts (issue 37.14): the longest page is
+    # SWAG's, ~100 lines
+    assert len(text.splitlines()) < 110 and f"options of --method {method}" in text
     assert "--base-lr" not in text and "`bayesify fit --help`" in " ".join(text.split())
     with pytest.raises(SystemExit):
         _script().main(["--method", method, "--help"])
-    assert len(capsys.readouterr().out.splitlines()) < 85
+    assert len(capsys.readouterr().out.splitlines()) < 115
 
 
 def test_post_hoc_dropout_is_tuned_without_training(tmp_path, capsys):

@@ -214,3 +214,68 @@ def test_accumulation_groups_close_at_epoch_end():
         closes.append(_closes_group(state))
     assert [c for c, _ in closes] == [False] * 3 + [True] + [False] * 3 + [True, False, True]
     assert [s for _, s in closes] == [4] * 8 + [2, 2]
+
+
+#: tests/ddp_scripts/mismatched_ranks.py: scenario → what the error names
+#: (field, rank 0's value, rank 1's value)
+MISMATCHES = {
+    "dataset_length": ("train_loader.dataset_length", "32", "24"),
+    "lr": ("fit.lr", "0.1", "0.05"),
+    "components": ("config.components", "2", "3"),
+    "epochs": ("fit.epochs", "1", "2"),
+    "seed": ("fit.seed", "1", "2"),
+    "base_weights": ("base_fingerprint", "'", "'"),
+    "val_loader": ("fit.val_loader given", "True", "False"),
+}
+
+
+def _mismatch_reports(out: Path) -> list[dict]:
+    return [json.loads((out / f"mismatch_rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("scenario", sorted(MISMATCHES))
+def test_mismatched_ranks_stop_with_one_error_naming_field_and_values(ddp_run, scenario):
+    """A different data set size, lr, component count, epochs, seed, base weights or
+    validation loader on rank 1: the same BayesifyError on both ranks, before the first
+    step, within seconds (before: a gloo abort, diverging replicas or a 10-minute wait)."""
+    reports = _mismatch_reports(ddp_run)
+    field, mine, theirs = MISMATCHES[scenario]
+    errors = [r[scenario]["error"] for r in reports]
+    assert errors[0] == errors[1], errors  # the same error on every rank
+    error = errors[0]
+    assert error.startswith("BayesifyError: the 2 ranks of this torchrun do not run the same fit")
+    assert f"{field}: rank 0 has {mine}" in error and f"rank 1 has {theirs}" in error, error
+    assert "before the first step on every rank" in error
+    assert all(r[scenario]["seconds"] < 20 for r in reports)  # not the 30 s timeout
+
+
+def test_mismatched_ranks_a_checkpoint_dir_rank_0_cannot_write_stops_every_rank(ddp_run):
+    reports = _mismatch_reports(ddp_run)
+    errors = [r["checkpoint_dir_is_a_file"]["error"] for r in reports]
+    assert errors[0] == errors[1]
+    assert "rank 0: checkpoint_dir=" in errors[0] and "is a file, not a directory" in errors[0]
+
+
+def test_job_differences_name_every_differing_field_with_both_values():
+    from bayesify import bayesify
+    from bayesify.train.distributed import describe_job, job_differences
+
+    w = _load_script()
+    train = DataLoader(TensorDataset(torch.randn(12, 4), torch.zeros(12).long()), batch_size=4)
+    same = {"lr": 0.1, "epochs": 2, "seed": None, "val_loader": None}
+    jobs = [describe_job(bayesify(w.base_model(), "ibnn", components=2), train, same)
+            for _ in range(3)]
+    assert job_differences(jobs) == []  # a fresh init per rank is fine: DDP broadcasts it
+    jobs[2] = describe_job(bayesify(w.base_model(), "ibnn", components=2), train,
+                           {**same, "lr": 0.05, "val_loader": train})
+    jobs[1] = describe_job(bayesify(w.base_model(), "ibnn", components=2),
+                           DataLoader(train.dataset, batch_size=3), {**same, "lr": 0.05})
+    diffs = job_differences(jobs)
+    assert "fit.lr: rank 0 has 0.1, rank 1 has 0.05 (and 1 other rank(s))" in diffs
+    assert "fit.val_loader given: rank 0 has False, rank 2 has True" in diffs
+    assert "train_loader.batch_size: rank 0 has 4, rank 1 has 3" in diffs
+    assert "train_loader.batches_per_epoch: rank 0 has 3, rank 1 has 4" in diffs
+    thawed = bayesify(w.base_model(), "ibnn", components=2)
+    next(iter(thawed.base_parameters())).requires_grad_(True)  # DDP would reduce one more
+    diffs = job_differences([jobs[0], describe_job(thawed, train, same)])
+    assert len(diffs) == 1 and diffs[0].startswith("trainable_base_tensors: rank 0 has '")

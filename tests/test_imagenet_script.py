@@ -74,9 +74,9 @@ def test_help_is_per_family(capsys):
             plain, prefixed = "--" + name.replace("_", "-"), f"--{method}-{name.replace('_', '-')}"
             assert plain in text or prefixed in text, (method, name)
     ibnn = _help(["--method", "ibnn", "--help"], capsys)
-    assert "--components V" in ibnn and "(default: 4)" in ibnn and "--p V" not in ibnn
+    assert "--components INT" in ibnn and "(default: 4)" in ibnn and "--p FLOAT" not in ibnn
     swag = _help(["--method", "swag", "--help"], capsys)
-    assert "--swag-lr V" in swag and "--swag-momentum V" in swag and "(default: 0.001)" in swag
+    assert "--swag-lr FLOAT" in swag and "--swag-momentum FLOAT" in swag and "(default: 0.001)" in swag
 
 
 def test_method_flags_become_typed_config_options():

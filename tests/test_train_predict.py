@@ -99,8 +99,9 @@ def test_evaluate_keys_and_map_predictor(digits, digits_map):
     assert stats["entropy"] == pytest.approx(stats["aleatoric"] + stats["epistemic"], rel=1e-4)
 
 
-def test_demo_writes_results_and_pngs(tmp_path):
+def test_demo_writes_results_and_pngs(tmp_path, capsys):
     from bayesify.cli import main
+    from bayesify.demo import HIGHER_IS_BETTER
 
     assert main(["demo", "--out", str(tmp_path), "--map-epochs", "3", "--epochs", "1",
                  "--no-progress"]) == 0
@@ -110,3 +111,14 @@ def test_demo_writes_results_and_pngs(tmp_path):
         assert {"accuracy", "nll", "ece", "brier", "ood_auroc_entropy", "corrupt_nll"} <= set(row)
     assert (tmp_path / "reliability.png").stat().st_size > 1000
     assert (tmp_path / "uncertainty_hist.png").stat().st_size > 1000
+    # the printed verdict says in words where the posterior loses to MAP (issue 37.2)
+    printed = capsys.readouterr().out
+    verdict = next(line for line in printed.splitlines() if line.startswith("ibnn vs map:"))
+    losses = [m for m, higher in HIGHER_IS_BETTER.items()
+              if isinstance(results["map"].get(m), float)
+              and round(results["ibnn"][m], 4) != round(results["map"][m], 4)
+              and (results["ibnn"][m] > results["map"][m]) != higher]
+    for metric in losses:
+        assert metric in verdict.split("worse on")[1].split(";")[0]
+    assert ("worse than the MAP network" in printed) == bool(losses)
+    assert "demo took" in printed

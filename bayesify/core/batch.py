@@ -105,9 +105,13 @@ class Batch:
 
     # -- calling -----------------------------------------------------------------------
     def call(self, model: nn.Module | Callable[..., Any]) -> Any:
+        """``model(*args, **kwargs)`` with the inputs in the model's dtype (see
+        :func:`model_ready`); keyword inputs the model's ``forward`` does not take are
+        refused first (:func:`check_keywords`)."""
         if self.kwargs:
             check_keywords(model, self)
-        return model(*self.args, **self.kwargs)
+        args, kwargs = model_ready(model, self.args, self.kwargs)
+        return _calling(model, args, kwargs)
 
     def require_labels(self, where: str) -> torch.Tensor:
         if self.labels is None:
@@ -293,10 +297,92 @@ def tile(x: Any, reps: int) -> Any:
 
 
 def call_model(model: Any, inputs: Any) -> Any:
-    """``model(x)`` for a tensor, ``model(*args, **kwargs)`` for a :class:`Batch`."""
+    """``model(x)`` for a tensor, ``model(*args, **kwargs)`` for a :class:`Batch`
+    (floating inputs in the model's dtype, integer images refused: :func:`model_ready`)."""
     if isinstance(inputs, Batch):
         return inputs.call(model)
-    return model(inputs)
+    (x,), _ = model_ready(model, (inputs,), {})
+    return _calling(model, (x,), {})
+
+
+# -- input dtypes -------------------------------------------------------------------------
+def model_dtype(model: Any) -> torch.dtype | None:
+    """The dtype of the model's first floating parameter (``None``: no such parameter,
+    or not a module)."""
+    parameters = getattr(model, "parameters", None)
+    if not callable(parameters):
+        return None
+    try:
+        for p in parameters():
+            if p.is_floating_point():
+                return p.dtype
+    except TypeError:
+        return None
+    return None
+
+
+def _integer(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _conversion_hint(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> str:
+    computes = f"the model computes in {dtype}" if dtype is not None else "the model takes floats"
+    return (f"{name} is a {t.dtype} tensor of shape {list(t.shape)} (integer images or "
+            f"features?) but "
+            f"{computes}: convert the images as the model was trained, e.g. "
+            "x.float() / 255 for 0–255 pixels followed by the model's normalisation, or the "
+            "recorded preprocessing (bayesify.predict.preprocessing.apply_preprocessing, the "
+            "model's own transforms); integer token ids go to a model that embeds them")
+
+
+def model_ready(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The inputs as ``model`` takes them: floating tensors (float64, float16, …) in the
+    model's own floating dtype; ``uint8`` tensors (images as decoded, never token ids)
+    refused with how to convert them, before torch fails on them with a dtype error deep
+    inside the network. Other integer tensors go through (token ids ``[B, T]``, also
+    ``[B, choices, T]``); a dtype error they cause becomes the same advice
+    (:func:`_calling`)."""
+    dtype = model_dtype(model)
+
+    def ready(name: str, v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        if v.dtype == torch.uint8:
+            raise BayesifyError(_conversion_hint(name, v, dtype))
+        if dtype is not None and v.is_floating_point() and v.dtype != dtype:
+            return v.to(dtype)
+        return v
+
+    return (tuple(ready(f"input {i}" if len(args) > 1 else "the input", a)
+                  for i, a in enumerate(args)),
+            {k: ready(f"input {k!r}", v) for k, v in kwargs.items()})
+
+
+_DTYPE_ERROR = ("dtype", "scalar type", "should be the same", "not implemented for")
+
+
+def call_with(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``model(*args, **kwargs)`` with the dtype handling of :func:`model_ready`."""
+    args, kwargs = model_ready(model, args, kwargs)
+    return _calling(model, args, kwargs)
+
+
+def _calling(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``model(*args, **kwargs)``; a dtype error from integer inputs becomes a
+    :class:`BayesifyError` saying how to convert them."""
+    try:
+        return model(*args, **kwargs)
+    except RuntimeError as err:
+        integers = [(name, v) for name, v in (*enumerate(args), *kwargs.items())
+                    if isinstance(v, torch.Tensor) and _integer(v)]
+        if integers and any(text in str(err) for text in _DTYPE_ERROR):
+            name, t = integers[0]
+            where = (f"input {name!r}" if isinstance(name, str) else
+                     "the input" if len(args) == 1 and not kwargs else f"input {name}")
+            raise BayesifyError(_conversion_hint(where, t, model_dtype(model))
+                                + f" (torch said: {str(err).splitlines()[0]})") from err
+        raise
 
 
 def batch_rows(inputs: Any) -> int:

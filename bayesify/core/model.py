@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from bayesify.core.batch import call_with
 from bayesify.core.context import SamplingContext
 from bayesify.core.digests import fingerprint_from_digests, tensor_digest
 from bayesify.core.extensions import implementation
@@ -22,6 +24,11 @@ from bayesify.core.walker import replace_modules
 
 if TYPE_CHECKING:
     from bayesify.core.method import Method
+
+def _compiling() -> bool:
+    """Whether ``torch.compile`` is tracing (without importing dynamo, ~4 s, when unused)."""
+    return "torch._dynamo" in sys.modules and torch.compiler.is_compiling()
+
 
 class BayesianModel(nn.Module):
     """A network with posteriors injected around its target layers.
@@ -173,13 +180,20 @@ class BayesianModel(nn.Module):
 
     @contextlib.contextmanager
     def deterministic(self) -> Iterator[BayesianModel]:
-        """Every noise variable replaced by the posterior mean of its component."""
-        previous = self.context.force_deterministic
-        self.context.force_deterministic = True
-        try:
-            yield self
-        finally:
-            self.context.force_deterministic = previous
+        """Every noise variable replaced by the posterior mean of its component.
+
+        The mode is the model's (every layer reads it), so the block holds the model's
+        lock (:func:`~bayesify.core.locks.model_lock`, re-entrant): predictions of other
+        threads wait for it instead of seeing posterior means mid-call, and calls in
+        this thread inside the block run as usual.
+        """
+        with model_lock(self):
+            previous = self.context.force_deterministic
+            self.context.force_deterministic = True
+            try:
+                yield self
+            finally:
+                self.context.force_deterministic = previous
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward of the wrapped model under the current sampling plan.
@@ -187,8 +201,13 @@ class BayesianModel(nn.Module):
         Without an active plan rows are dealt to components round-robin and noise
         is sampled (inside :meth:`deterministic`: posterior means).
         """
-        self.context.new_pass()
-        return self.model(*args, **kwargs)
+        # inputs in the model's dtype, uint8 images refused (bayesify.core.batch.model_ready)
+        if _compiling():  # traced: no Python lock in the graph
+            self.context.new_pass()
+            return call_with(self.model, args, kwargs)
+        with model_lock(self):  # the sampling plan is shared: one forward at a time
+            self.context.new_pass()
+            return call_with(self.model, args, kwargs)
 
     def training_forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tiled logits ``[R, C]`` and targets ``[R]`` for one training batch (the batch

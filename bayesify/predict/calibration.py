@@ -260,7 +260,8 @@ def calibrate(
                     "examples, NLL %.4f -> %.4f, in %.1f s", temperature,
                     "kept the previous" if kept else f"was {previous:.4g}", optimum, rule, rows,
                     nll_before, nll_after, time.perf_counter() - start)
-    _warn_at_bound(temperature, rows)
+    if is_rank_zero():  # only rank 0 speaks
+        _warn_at_bound(temperature, rows)
     plot_path = None
     if plot is not None:
         plot_path = str(plots.save_reliability_diagram(
@@ -274,14 +275,22 @@ def calibrate(
     )
 
 
+#: how close (relative) to a bound counts as on it: the LBFGS run and the grid's float32
+#: values land within ~1e-4 of a bound they are pushed against (0.04999 for 0.05)
+BOUND_RTOL = 1e-3
+
+
 def _warn_at_bound(temperature: float, rows: int) -> None:
     """A temperature at the edge of the search is the data running out, not a fit."""
     edges = (T_BOUNDS[0], _GRID_RANGE[0], _GRID_RANGE[1], T_BOUNDS[1])
-    if any(abs(math.log(temperature / edge)) < 1e-6 for edge in edges):
+    edge = next((e for e in edges if abs(math.log(temperature / e)) < BOUND_RTOL), None)
+    if edge is not None:
         warnings.warn(
             f"calibrate: the temperature {temperature:.4g} lies at a bound of the search "
-            f"({rows} validation examples): the validation NLL kept improving towards the "
-            "bound, which usually means too few or too easy validation examples",
+            f"(its bound {edge:g}; {rows} validation examples): "
+            "the validation NLL kept improving towards the bound, which usually means too few "
+            "or too easy validation examples (or, at the top, a posterior far worse than its "
+            "network: the temperature flattens it rather than calibrating it)",
             stacklevel=3)
 
 

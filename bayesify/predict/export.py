@@ -302,6 +302,8 @@ def export_predictor(
     finally:
         tmp.unlink(missing_ok=True)
     files = [path, write_metadata_json(path, metadata), write_sha256(path, digest)]
+    if class_names is not None:  # remembered for this predictor's next export
+        predictor.class_names = list(metadata["class_names"])
     if loud:
         logger.info("export: wrote %s in %.1f s (%s)", path, time.perf_counter() - start,
                     "verified" if diff is not None else "not verified")

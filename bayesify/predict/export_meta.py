@@ -7,8 +7,9 @@ An exported predictor carries a metadata record (:func:`export_metadata`)::
      "preprocessing", "inputs", "dynamic_axes", "outputs": ["probs", "epistemic"],
      "posterior_fingerprint", "base_fingerprint"}
 
-``class_names``: given, else the wrapped Hugging Face model's ``config.id2label``
-(unless it is the generic ``LABEL_i``), else ``None``. ``preprocessing``: see
+``class_names``: given, else those given to the same predictor's previous export, else
+the wrapped Hugging Face model's ``config.id2label`` (unless it is the generic ``LABEL_i``),
+else ``None``. ``preprocessing``: see
 :mod:`bayesify.predict.preprocessing` (``"auto"``: a timm model's own). The
 fingerprints are sha256 over the posterior tensors (MAP: the model's state) and
 over the base weights as they were wrapped, as in ``save_posterior``.
@@ -77,7 +78,10 @@ def export_metadata(predictor: BasePredictor, *, fmt: str, members: int, num_cla
     """The metadata record of one export (see the module docstring)."""
     from bayesify.version import __version__
 
-    names = default_class_names(predictor) if class_names is None else [str(c) for c in class_names]
+    if class_names is not None:
+        names = [str(c) for c in class_names]
+    else:  # the names given to this predictor's previous export, else a HF id2label
+        names = getattr(predictor, "class_names", None) or default_class_names(predictor)
     if names is not None and len(names) != num_classes:
         raise BayesifyError(f"class_names has {len(names)} entries but the predictor has "
                             f"{num_classes} classes")

@@ -25,6 +25,7 @@ from bayesify.errors import BayesifyError
 from bayesify.kit.stacked import StackedModels
 from bayesify.predict.serving import (
     check_inputs,
+    check_max_rows,
     check_nonfinite_policy,
     check_prediction,
     check_temperature,
@@ -51,6 +52,9 @@ class BasePredictor:
     #: "error" (default): NaN/inf inputs, and non-finite predictives of finite inputs,
     #: are a BayesifyError; "propagate": no checks (see bayesify.predict.serving)
     nonfinite: str = "error"
+    #: the class names of this predictor's last export that named them (``export(...,
+    #: class_names=...)``): later exports without ``class_names`` reuse them
+    class_names: list[str] | None = None
     _base_temperature: float = 1.0
 
     @property
@@ -238,7 +242,7 @@ class EnsemblePredictor(BasePredictor):
         self.samples_per_component = (
             samples_per_component or bnn.posterior_config.default_samples()
         )
-        self.max_rows = int(max_rows)
+        self.max_rows = check_max_rows(max_rows)
         self.seed = seed
         self.batch_fn = batch_fn
         #: defaults to the temperature saved with the posterior (1 until calibrated)

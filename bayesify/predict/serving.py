@@ -26,7 +26,7 @@ passed or read back from a saved posterior.
 from __future__ import annotations
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any
 
 import torch
@@ -37,8 +37,8 @@ from bayesify.core.outputs import check_not_probabilities
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
 
-__all__ = ["NONFINITE_POLICIES", "check_nonfinite_policy", "check_prediction", "check_temperature",
-           "model_lock"]
+__all__ = ["NONFINITE_POLICIES", "check_max_rows", "check_nonfinite_policy", "check_prediction",
+           "check_temperature", "model_lock"]
 
 NONFINITE_POLICIES = ("error", "propagate")
 
@@ -59,6 +59,19 @@ def check_temperature(value: Any, *, where: str = "temperature") -> float:
             f"{where} must be a finite number > 0, got {value!r}: logits are divided by it, "
             "so 0 or a negative value flips or destroys every prediction (1 = uncalibrated)")
     return value
+
+
+def check_max_rows(value: Any) -> int:
+    """``max_rows`` (rows per forward pass) as an int if it is an integer ≥ 1."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"max_rows must be a positive integer (rows per forward pass, default "
+                        f"4096), got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise BayesifyError(
+            f"max_rows must be a positive integer, got {value!r}: it is the number of rows "
+            "(members × inputs) one forward pass may hold; the default 4096 suits most "
+            "models, lower it to save memory")
+    return int(value)
 
 
 def check_nonfinite_policy(value: Any) -> str:

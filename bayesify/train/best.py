@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify.train import evaluate as evaluation
+from bayesify.train.hooks import worse_advice
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -90,7 +91,7 @@ class BestState:
             self.best_metrics = {"val_nll": nll, "val_accuracy": record.get("val_accuracy", 0.0)}
             self.best_epoch = int(record["epoch"])
 
-    def finish(self, last: dict[str, Any], family: str) -> None:
+    def finish(self, last: dict[str, Any], family: str, *, refused: tuple[str, ...] = ()) -> None:
         """At the end of the fit: keep the last state unless it is clearly worse than the
         start; then the best of (last, best earlier epoch, the beginning); mark ``last``."""
         if not self.active or "val_nll" not in last:
@@ -125,8 +126,8 @@ class BestState:
         if still:
             warnings.warn(
                 f"fit of {family!r} ended with validation {' and '.join(still)} of the starting "
-                f"network (kept: {kept}); the posterior is worse than the network it came from: "
-                + _advice(family), stacklevel=4)
+                f"network (kept: {kept}); the posterior is worse than the network it came from; "
+                + worse_advice(family, refused), stacklevel=3)
 
     def _validate(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         """Validation metrics of ``tensors`` loaded into the model (the current state is
@@ -142,8 +143,3 @@ class BestState:
         finally:
             bnn.load_state_dict(current, strict=False)
         return {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}
-
-
-def _advice(family: str) -> str:
-    return (f"try a lower lr, fewer epochs or a smaller initial posterior spread (see "
-            f"`bayesify methods {family}` for the options)")

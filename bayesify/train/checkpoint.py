@@ -364,6 +364,28 @@ def identity(bnn: BayesianModel) -> dict[str, Any]:
     }
 
 
+#: run settings recorded by :func:`bayesify.train.resume.result_options`: what each one is
+#: and why a change alters the result
+_SETTINGS = {
+    "shuffle": ("the training loader shuffles", "the data order differs"),
+    "bn_train": ("BatchNorm statistics train",
+                 "the network's statistics would train in one part of the run only"),
+    "val_loader": ("a validation loader is given",
+                   "the validation search at the end is part of the result"),
+    "shift_loader": ("a shift loader is given",
+                     "the validation search uses it as its robustness signal"),
+    "amp": ("bf16 autocast", "the forward's precision differs"),
+}
+
+
+def describe_change(key: str, saved: Any, now: Any) -> str:
+    """One line naming a fit option or run setting that differs from the checkpoint."""
+    if key in _SETTINGS:
+        what, why = _SETTINGS[key]
+        return f"{key} ({what}): {saved!r} in the checkpointed run, {now!r} now ({why})"
+    return f"fit option {key}: checkpoint {saved!r}, now {now!r}"
+
+
 def check_compatible(meta: dict[str, Any], current: dict[str, Any], options: dict[str, Any],
                      path: str | Path) -> None:
     """Raise a :class:`BayesifyError` naming every mismatch with the checkpoint."""
@@ -384,7 +406,7 @@ def check_compatible(meta: dict[str, Any], current: dict[str, Any], options: dic
     saved_opts = meta.get("options", {})
     for key, value in options.items():
         if key in saved_opts and saved_opts[key] != value:
-            problems.append(f"fit option {key}: checkpoint {saved_opts[key]!r}, now {value!r}")
+            problems.append(describe_change(key, saved_opts[key], value))
     if problems:
         raise BayesifyError(
             f"checkpoint {str(path)!r} does not match this run: " + "; ".join(problems)

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import itertools
 import math
 import os
 import re
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from bayesify.errors import BayesifyError
+from bayesify.version import __version__
 
 #: seconds a collective waits for the other ranks before failing
 DEFAULT_TIMEOUT_S = 600.0
@@ -198,6 +201,19 @@ def naming_unresponsive_ranks(ctx: DistContext) -> Iterator[None]:
         raise
 
 
+@contextlib.contextmanager
+def rank_zero_warnings(ctx: DistContext) -> Iterator[None]:
+    """Only rank 0 speaks: on the other ranks of a process group, warnings raised inside are
+    dropped (every rank sees the same run, so rank 0's warnings are the run's; without this,
+    ``torchrun --nproc_per_node=N`` prints each one N times)."""
+    if ctx.is_main:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 def cleanup_distributed() -> None:
     """Destroy the default process group if one exists (call once at script end)."""
     if dist.is_available() and dist.is_initialized():
@@ -256,6 +272,152 @@ def barrier(ctx: DistContext) -> None:
     if ctx.distributed:
         with naming_unresponsive_ranks(ctx):
             dist.barrier()
+
+
+# -- one exchange before the first step: every rank runs the same job --------------------
+#: fit options every rank must pass alike (paths and loaders: whether they were given)
+JOB_OPTIONS = (
+    "epochs", "min_steps", "lr", "base_lr", "kl_anneal_epochs", "beta", "lr_schedule",
+    "base_lr_schedule", "optimizer", "momentum", "weight_decay", "base_weight_decay", "n_train",
+    "seed", "amp", "channels_last", "compile", "grad_accum_steps", "clip_grad_norm",
+    "checkpoint_every_steps", "keep_checkpoints", "val_every", "val_samples_per_component",
+    "find_unused_parameters", "timeout_s",
+)
+#: options compared by presence only (a path may differ between nodes; a loader is an object)
+JOB_PRESENCE = ("resume", "checkpoint_dir", "val_loader", "shift_loader", "batch_fn")
+
+
+def _plain(value: Any) -> Any:
+    """A comparable, printable stand-in for an option value."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    name = getattr(value, "__qualname__", None) or type(value).__qualname__
+    return f"<{getattr(value, '__module__', '') or ''}.{name}>"
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else str(key), item, out)
+    else:
+        out[prefix] = value
+
+
+def _names_digest(names: list[str]) -> str:
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:12]
+
+
+def _loader_facts(loader: Any) -> dict[str, Any]:
+    """What fixes the batches of an epoch: dataset length, batch size, drop_last,
+    sampler type and the loader's length (each ``None`` when the loader has none)."""
+    facts: dict[str, Any] = {"type": type(loader).__qualname__}
+    dataset = getattr(loader, "dataset", None)
+    for key, get in (("dataset_length", lambda: len(dataset)),  # type: ignore[arg-type]
+                     ("batches_per_epoch", lambda: len(loader))):
+        try:
+            facts[key] = int(get())
+        except Exception:  # noqa: BLE001 - no length (iterable data set, generator)
+            facts[key] = None
+    facts["batch_size"] = getattr(loader, "batch_size", None)
+    facts["drop_last"] = getattr(loader, "drop_last", None)
+    sampler = getattr(loader, "sampler", None)
+    facts["sampler"] = None if sampler is None else type(sampler).__qualname__
+    return facts
+
+
+def describe_job(bnn: Any, train_loader: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """What every rank of one ``fit`` must agree on, as flat ``{field: value}``.
+
+    Model: method, config, targets, posterior shapes, base fingerprint (the base
+    weights when wrapped), ``bn_train``, which base tensors train, dtype, torch and
+    bayesify versions. Fit options: :data:`JOB_OPTIONS` by value,
+    :data:`JOB_PRESENCE` by presence. Data: dataset length, batch size, drop_last,
+    sampler, batches per epoch of ``train_loader``.
+    """
+    job: dict[str, Any] = {}
+    trainable = [n for n, p in bnn.named_base_parameters() if p.requires_grad]
+    first = next(iter(bnn.parameters()), None)
+    model = {
+        "method": bnn.method_name,
+        "config": _plain(bnn.method.config.to_dict()),
+        "targets": list(bnn.targets),
+        "posterior_shapes": {n: list(p.shape) for n, p in bnn.named_posterior_parameters()},
+        "base_fingerprint": bnn.base_fingerprint,
+        "bn_train": bool(getattr(bnn, "bn_train", False)),
+        # DDP reduces exactly the trainable tensors: every rank must have the same ones
+        "trainable_base_tensors": f"{len(trainable)} ({_names_digest(trainable)})",
+        "dtype": None if first is None else str(first.dtype),
+        "versions": {"torch": torch.__version__, "bayesify": __version__},
+    }
+    _flatten("", model, job)
+    for key in JOB_OPTIONS:
+        if key in options:
+            job[f"fit.{key}"] = _plain(options[key])
+    for key in JOB_PRESENCE:
+        if key in options:
+            job[f"fit.{key} given"] = options[key] is not None
+    _flatten("train_loader", _loader_facts(train_loader), job)
+    return job
+
+
+def agree_on_job(ctx: DistContext, job: Any, *, refusal: str | None = None) -> None:
+    """One exchange before the first step: every rank's job (``job()``, a flat dict from
+    :func:`describe_job`, called only when distributed) and refusal (e.g. rank 0's
+    unwritable checkpoint directory) go to every rank, and every rank raises the same
+    :class:`BayesifyError` naming each differing field with both values.
+
+    Bounded by the fit's timeout: a rank that never arrives is named by
+    :func:`naming_unresponsive_ranks`.
+    """
+    if not ctx.distributed:
+        if refusal is not None:
+            raise BayesifyError(refusal)
+        return
+    mine = {"job": job() if callable(job) else job, "refusal": refusal}
+    everyone = all_gather_objects(mine, ctx)
+    refusals = [f"rank {r}: {e['refusal']}" for r, e in enumerate(everyone) if e["refusal"]]
+    if refusals:
+        raise BayesifyError("fit stopped before the first step on every rank: "
+                            + "; ".join(refusals))
+    differences = job_differences([e["job"] for e in everyone])
+    if differences:
+        shown = differences[:8]
+        more = f" (and {len(differences) - 8} more)" if len(differences) > 8 else ""
+        raise BayesifyError(
+            f"the {ctx.world_size} ranks of this torchrun do not run the same fit, so it was "
+            "stopped before the first step on every rank: " + "; ".join(shown) + more
+            + ". Every rank must get the same model (weights, method, config), the same fit "
+            "options and the same training data (length, batch size, sampler); launch every "
+            "process with the same script arguments"
+        )
+
+
+def job_differences(jobs: list[dict[str, Any]]) -> list[str]:
+    """``"field: rank 0 has A, rank r has B"`` for every field where a rank differs from
+    rank 0 (the first such rank named; how many more differ, if any)."""
+    reference = jobs[0]
+    out = []
+    for key in sorted(set().union(*jobs), key=lambda k: (not k.startswith(("fit.", "train_")), k)):
+        values = [job.get(key, "<missing>") for job in jobs]
+        others = [r for r, v in enumerate(values) if v != reference.get(key, "<missing>")]
+        if not others:
+            continue
+        first = others[0]
+        tail = f" (and {len(others) - 1} other rank(s))" if len(others) > 1 else ""
+        out.append(f"{key}: rank 0 has {_short(values[0])}, rank {first} has "
+                   f"{_short(values[first])}{tail}")
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def rank_seed(seed: int, rank: int) -> int:

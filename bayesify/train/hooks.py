@@ -40,8 +40,21 @@ def starting_metrics(bnn: BayesianModel, val_loader: Iterable, ctx: DistContext,
     return {k: metrics[k] for k in ("accuracy", "nll") if k in metrics}
 
 
-def warn_if_worse(family: str, start: dict[str, float], last: dict[str, Any]) -> None:
-    """A fit that ends clearly worse than its starting network says so (and what to try)."""
+def worse_advice(family: str, refused: tuple[str, ...] = ()) -> str:
+    """What to try after a fit that ended worse than its start: only the fit options the
+    family's step honours (Laplace refuses ``lr`` and ``epochs``: one pass, no optimiser)."""
+    if "lr" in refused or "epochs" in refused:
+        return (f"{family!r} is fitted by one pass with no learning rate or epochs; its own "
+                f"options decide the posterior (see `bayesify methods {family}`), or keep the "
+                "starting network")
+    return ("try a lower lr, fewer epochs, or a smaller initial posterior spread "
+            f"(see `bayesify methods {family}`)")
+
+
+def warn_if_worse(family: str, start: dict[str, float], last: dict[str, Any], *,
+                  refused: tuple[str, ...] = ()) -> None:
+    """A fit that ends clearly worse than its starting network says so (and what to try;
+    ``refused``: the fit options the family's step cannot honour)."""
     acc, nll = last.get("val_accuracy"), last.get("val_nll")
     if acc is None or nll is None or "accuracy" not in start:
         return
@@ -53,8 +66,7 @@ def warn_if_worse(family: str, start: dict[str, float], last: dict[str, Any]) ->
     if worse:
         warnings.warn(
             f"fit of {family!r} ended with validation {' and '.join(worse)} of the starting "
-            "network; try a lower lr, fewer epochs, or a smaller initial posterior spread "
-            "(see `bayesify methods " + family + "`)", stacklevel=3,
+            f"network; {worse_advice(family, refused)}", stacklevel=3,
         )
 
 

@@ -3,7 +3,7 @@
 - Per-family command-line options: :func:`peek_method` reads ``--method`` before
   the full parser exists; :func:`add_family_options` adds one flag per config
   field of *that* family (generated from ``config_cls.describe()``: default and
-  one-line help); :func:`family_options` turns the parsed flags into config
+  full help); :func:`family_options` turns the parsed flags into config
   keyword arguments and :func:`check_family_options` validates them before any
   work. A field named like a ``bayesify.fit`` keyword or a flag of the parser is
   named ``--<family>-<field>`` (e.g. SWAG's own SGD rate ``--swag-lr``, next to
@@ -66,20 +66,28 @@ def _value(text: str) -> Any:
         return text
 
 
-def first_sentence(text: str, limit: int = 120) -> str:
-    """The first sentence of a help text (``--help`` stays short; the full text is in
-    ``bayesify methods NAME``)."""
-    import re
-
-    match = re.search(r"(?<!e\.g)(?<!i\.e)(?<!\bvs)\.\s+(?=[A-Z(`'])", text)
-    first = text[:match.start() + 1] if match else text
-    return first if len(first) <= limit else first[:limit].rsplit(" ", 1)[0] + " …"
-
-
 def _show(default: Any) -> str:
     if isinstance(default, tuple):
         return " ".join(json.dumps(v) for v in default) or "(none)"
     return json.dumps(default, default=str)
+
+
+def _metavar(name: str, default: Any) -> str:
+    """What a flag's value looks like, from the field's default (``--components INT``)."""
+    if name == "targets":
+        return "NAME"
+    if name in ("include", "exclude"):
+        return "PATTERN"
+    sample = default[0] if isinstance(default, tuple) and default else default
+    if isinstance(sample, bool):
+        return "BOOL"
+    if isinstance(sample, int):
+        return "INT"
+    if isinstance(sample, float):
+        return "FLOAT"
+    if isinstance(sample, str):
+        return "TEXT"
+    return "VALUE"
 
 
 def add_family_options(parser: argparse.ArgumentParser, method: str, *,
@@ -87,32 +95,35 @@ def add_family_options(parser: argparse.ArgumentParser, method: str, *,
     """Add one flag per config field of ``method``; returns ``{flag: field name}``.
 
     Flags default to "not given" (the family's default applies; the help shows
-    it). ``show=False`` keeps the flags parseable but out of ``--help`` (the
-    generic help, where the family was not named).
+    it with the field's full help text). ``show=False`` keeps the flags parseable but
+    out of ``--help`` (the generic help, where the family was not named), and adds no
+    section for them.
     """
     from bayesify.core.registry import get_method_class
 
     cls = get_method_class(method).config_cls
     taken = frozenset(parser._option_string_actions) | trainer_flags()
-    group = parser.add_argument_group(
-        f"options of --method {method} ({cls.__name__}; unset = the default shown)")
+    target: Any = parser
+    if show:
+        target = parser.add_argument_group(
+            f"options of --method {method} ({cls.__name__}; unset = the default shown)",
+            f"`bayesify methods {method}` prints the same list")
     flags: dict[str, str] = {}
-    group.description = (f"the first sentence of each; `bayesify methods {method}` prints "
-                         "them in full")
     for name, default, help_text in cls.describe():
         flag = family_flag(method, name, taken)
-        text = f"{first_sentence(help_text or name)} (default: {_show(default)})"
+        text = f"{help_text or name} (default: {_show(default)})"
         if flag != "--" + name.replace("_", "-"):
             text += f" [config field {name!r}]"
         kwargs: dict[str, Any] = {"dest": FAMILY_DEST + name, "default": argparse.SUPPRESS,
-                                  "help": text if show else argparse.SUPPRESS}
+                                  # argparse formats help with %: a literal per cent stays one
+                                  "help": text.replace("%", "%%") if show else argparse.SUPPRESS}
         if isinstance(default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         elif name == "targets" or isinstance(default, tuple):
-            kwargs.update(nargs="+", type=_value, metavar="V")
+            kwargs.update(nargs="+", type=_value, metavar=_metavar(name, default))
         else:
-            kwargs.update(type=_value, metavar="V")
-        group.add_argument(flag, **kwargs)
+            kwargs.update(type=_value, metavar=_metavar(name, default))
+        target.add_argument(flag, **kwargs)
         flags[flag] = name
     return flags
 

@@ -25,6 +25,7 @@ final posterior.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -57,10 +58,13 @@ from bayesify.train.context import TrainContext, TrainState
 from bayesify.train.data import TrainData, training_set_size
 from bayesify.train.distributed import (
     DistContext,
+    agree_on_job,
     all_reduce_sum,
     broadcast_object,
+    describe_job,
     naming_unresponsive_ranks,
     rank_seed,
+    rank_zero_warnings,
     setup_distributed,
 )
 from bayesify.train.guard import buffers_restored_on_error
@@ -217,9 +221,15 @@ def fit(
     if clip_grad_norm is None:
         clip_grad_norm = defaults.get("clip_grad_norm")
     ctx = setup_distributed(device, bnn.device, timeout_s=timeout_s)
-    with naming_unresponsive_ranks(ctx):  # a silent rank is named, not a bare timeout
+    # a silent rank is named, not a bare timeout; only rank 0 warns
+    with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):
         if device is not None or ctx.device != bnn.device:
             bnn.to(ctx.device)
+        # before the first collective: every output location is writable and (torchrun)
+        # every rank runs the same job, or every rank stops with the same error
+        agree_on_job(ctx, functools.partial(describe_job, bnn, train_loader, dict(locals())),
+                     refusal=ckpt.probe_outputs(checkpoint_dir=checkpoint_dir, log_dir=log_dir)
+                     if ctx.is_main else None)
         checkpointing = checkpoint_dir is not None or resume is not None
         payload = ckpt.read_for_resume(resume, ctx) if resume is not None else None
         state = TrainContext(
@@ -245,7 +255,8 @@ def fit(
             state.steps_per_epoch = state.data.batches_per_epoch
             options = {"training": "curvature"}
         run = ckpt.Run(directory=Path(checkpoint_dir) if checkpoint_dir is not None else None,
-                       keep=keep_checkpoints, every=checkpoint_every_steps, options=options,
+                       keep=keep_checkpoints, every=checkpoint_every_steps,
+                       options={**options, **ckpt.result_options(state)},
                        identity=ckpt.identity(bnn) if checkpointing else {})
         if payload is not None:
             ckpt.restore(state, payload, run, path=payload["path"])
@@ -302,7 +313,8 @@ def fit(
         watch.finish(state, method.name)  # about the trajectory, before a state is restored
         if start is not None and state.history:
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
-            best.finish(state.history[-1], method.name)  # never worse than the start
+            # never worse than the start
+            best.finish(state.history[-1], method.name, refused=tuple(step.refused))
         return result
 
 

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data import RandomSampler
 
 from bayesify.atomic_files import directory_lock
 from bayesify.errors import BayesifyError, NonFiniteLossError
@@ -47,7 +50,8 @@ from bayesify.train.distributed import DistContext, broadcast_object, gather_obj
 if TYPE_CHECKING:
     from bayesify.train.context import TrainState
 
-__all__ = ["Run", "check_schedule", "identity", "read_for_resume", "restore", "save"]
+__all__ = ["Run", "check_schedule", "identity", "probe_directory", "probe_outputs",
+           "read_for_resume", "restore", "result_options", "save"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,68 @@ def check_schedule(meta: dict[str, Any], state: TrainState, path: str | Path) ->
             f"length would not be the run that was checkpointed: resume with "
             f"epochs={meta.get('epochs')!r} and the same loader (batches per epoch), or start "
             "a new checkpoint directory")
+
+
+def probe_directory(directory: str | Path, *, what: str) -> str | None:
+    """Why ``directory`` cannot take this run's files (``None``: it can).
+
+    Probed for real, not guessed from permission bits: the directory is created (as
+    the first write would) and a uniquely named empty file is created in it and
+    deleted again. A path that is a regular file, a read-only or full file system, a
+    missing permission: each is found here, before the first step, instead of after
+    the first epoch has trained.
+    """
+    directory = Path(directory)
+    try:
+        if directory.exists() and not directory.is_dir():
+            return (f"{what}={str(directory)!r} is a file, not a directory: pass a directory "
+                    "path (created if missing)")
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".bayesify-write-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        return (f"{what}={str(directory)!r} cannot be written ({type(err).__name__}: {reason}); "
+                "pass a writable directory")
+    return None
+
+
+def probe_outputs(*, checkpoint_dir: str | Path | None, log_dir: str | Path | None) -> str | None:
+    """The first problem with the fit's output locations (``None``: all writable); see
+    :func:`probe_directory`. ``log_dir``'s ``history.jsonl``, if present, must be a file."""
+    if checkpoint_dir is not None:
+        problem = probe_directory(checkpoint_dir, what="checkpoint_dir")
+        if problem:
+            return problem
+    if log_dir is not None:
+        problem = probe_directory(log_dir, what="log_dir")
+        if problem:
+            return problem
+        history = Path(log_dir) / "history.jsonl"
+        if history.exists() and not history.is_file():
+            return (f"log_dir={str(log_dir)!r}: {str(history)!r} exists and is not a file; "
+                    "remove it or pass another log_dir")
+    return None
+
+
+def result_options(state: TrainState) -> dict[str, Any]:
+    """Run settings besides the fit options that change the final posterior, recorded in
+    every checkpoint and compared on resume (:func:`~bayesify.train.checkpoint.check_compatible`):
+    whether BatchNorm statistics train (``bn_train``), whether a validation / shift loader
+    was given (the knob search at the end uses them) and, for gradient steps, whether the
+    training loader shuffles and whether AMP is on."""
+    options: dict[str, Any] = {
+        "bn_train": bool(state.bnn.bn_train),
+        "val_loader": state.val_loader is not None,
+        "shift_loader": state.shift_loader is not None,
+    }
+    if state.optimizer is not None and state.data is not None:
+        sampler = getattr(state.data.original, "sampler", None)
+        options["shuffle"] = (state.data.sampler.shuffle if state.data.sampler is not None
+                              else isinstance(sampler, RandomSampler))
+        options["amp"] = bool(state.amp)
+    return options
 
 
 @dataclass

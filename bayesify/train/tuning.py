@@ -61,6 +61,7 @@ from bayesify.train.distributed import (
     broadcast_object,
     current_context,
     naming_unresponsive_ranks,
+    rank_zero_warnings,
 )
 from bayesify.train.shift import ShiftSignal, calibrate_shift
 
@@ -262,7 +263,27 @@ def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: in
         warnings.warn(
             f"{bnn.method_name}: the validation search chose {knob.name} = {value:g}, the "
             f"broadest end of its grid ({knob.meaning}): the best value may lie beyond it; "
-            "widen the family's grid option", stacklevel=3)
+            f"{_widen_advice(bnn)}", stacklevel=3)
+
+
+def _widen_advice(bnn: BayesianModel) -> str:
+    """What widens the search: the family's grid option where it has one (``*_grid``), else
+    the posterior itself (the grid of a spread or temperature knob is fixed)."""
+    import dataclasses
+
+    config = bnn.method.config
+    options = [f.name for f in dataclasses.fields(config) if f.name.endswith("grid")]
+    if options:
+        return " or ".join(f"widen {name!r} (now {getattr(config, name)!r})" for name in options)
+    priors = [f.name for f in dataclasses.fields(config) if f.name.startswith("prior_std")]
+    if priors:
+        return (f"{bnn.method_name} has no grid option (its grid is fixed): the trained "
+                "posterior is narrower than the validation data asks for; a broader prior ("
+                + ", ".join(f"{name}={getattr(config, name)!r} now" for name in priors)
+                + f") or more training widens it (see `bayesify methods {bnn.method_name}`)")
+    return (f"{bnn.method_name} has no grid option (its grid is fixed): the members are more "
+            "confident than the validation data supports; predictor.calibrate(val_loader) "
+            "fits a temperature afterwards")
 
 
 def tune(bnn: BayesianModel, val_loader: Iterable, *, batch_fn: BatchFn | None = None,
@@ -293,7 +314,7 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, batch_fn: BatchFn | None =
     def shifted() -> Iterator[Batch]:
         return shard_batches(shift_loader, ctx, device=bnn.device, batch_fn=batch_fn)
 
-    with naming_unresponsive_ranks(ctx):
+    with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):  # only rank 0 warns
         return search_knobs(bnn, bnn.method.knobs(bnn), batches, ctx,
                             shift_batches=shifted if shift_loader is not None else None,
                             temperature=temperature, progress=progress)

@@ -9,6 +9,7 @@ to OUT/<scenario>_rank<r>.pt; rank 0 also writes OUT/info.json.
   one-process run at the same global batch.
 - ``full`` / ``resumed``: 3 epochs uninterrupted vs. killed after epoch 1 and
   resumed from the checkpoint directory.
+- last, ranks that disagree (tests/ddp_scripts/mismatched_ranks.py): OUT/mismatch_rank<r>.json.
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ def main(out: Path) -> None:
     torch.save(tensors(bnn), out / f"resumed_rank{rank}.pt")
     info["resumed_epochs"] = [r["epoch"] for r in resumed.history]
     (out / f"info_rank{rank}.json").write_text(json.dumps(info, default=float))
+    import mismatched_ranks  # next to this script (sys.path[0] when run as one)
+
+    mismatched_ranks.run(rank, out)  # ranks that disagree: one error on every rank
     cleanup_distributed()
 
 
