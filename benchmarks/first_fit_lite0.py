@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -59,8 +60,12 @@ def main() -> None:
     model, train, val = lite0_task(args.train, args.val, batch_size=args.batch_size)
     bnn = bayesify(model, method=args.method)
     began = time.perf_counter()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     result = fit(bnn, train, val_loader=val, progress=False, epochs=args.epochs)
     wall = time.perf_counter() - began
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    load = os.getloadavg()[0]
     hist = result.history
     eta = next(((t - began, m) for t, m in handler.lines if m.startswith("fit: about")), None)
     search = next((t for t, m in handler.lines if "chosen on validation" in m), None)
@@ -83,7 +88,7 @@ def main() -> None:
         "steps": sum(h["steps"] for h in hist),
         "expected_seconds": hist[0].get("expected_seconds"),
         "expected_logged_at_s": eta[0] if eta else None, "expected_line": eta[1] if eta else None,
-        "wall_s": wall, "train_epoch_s": per_epoch, "validations": len(val_s),
+        "wall_s": wall, "cpu_s": cpu, "load_at_end": load, "train_epoch_s": per_epoch, "validations": len(val_s),
         "val_pass_s": per_val, "search_s": search_s,
         "start_val_accuracy": hist[0].get("start_val_accuracy"),
         "val_accuracy": hist[-1].get("val_accuracy"), "kept": hist[-1].get("kept"),
