@@ -65,7 +65,7 @@ def test_script_layout_resume_batch_and_portable_run(tmp_path, capsys):
         _script().main(_script_argv(data, out, "--batch-size", "4", *checkpoint))
         worse = False
     except SystemExit as done:  # one epoch from a random network on 6 validation images:
-        worse = done.value.code == 3  # a posterior worse than its start is written, exit 3
+        worse = done.code == 3  # a posterior worse than its start is written, exit 3
         assert worse and "worse on validation" in capsys.readouterr().err
     for name in ("posterior.safetensors", "bayesify.json", "run.json", "history.jsonl",
                  "final_metrics.json", "args.json"):
