@@ -99,3 +99,14 @@ def test_cli_exits_nonzero_and_calibrate_refuses_a_run_worse_than_its_start(tmp_
     assert main(["calibrate", "--posterior", str(out), "--no-progress"]) == 2
     assert "calibrating it would hide that" in capsys.readouterr().err
     assert not (out / "calibration.json").exists()
+
+
+def test_clearly_worse_needs_more_than_a_flipped_example_with_a_better_nll():
+    start = {"accuracy": 1 / 3, "nll": 1.1395}
+    assert clearly_worse(start, {"val_accuracy": 0.0, "val_nll": 1.1054}) == []
+    assert clearly_worse(start, {"val_accuracy": 0.0, "val_nll": 1.2}) == [
+        "accuracy 0.0000 < 0.3333"]
+    assert clearly_worse({"accuracy": 1.0, "nll": 0.026},
+                         {"val_accuracy": 0.333, "val_nll": 1.097}) == [
+        "accuracy 0.3330 < 1.0000", "NLL 1.0970 > 0.0260"]
+    assert clearly_worse(start, {"val_accuracy": 0.34, "val_nll": float("nan")})
