@@ -91,7 +91,7 @@ class FitClock:
         else:
             per_step, measured = marks[-1] - self._began, "the first step"
         training = per_step * self.total_steps
-        validation, what = self._validation_estimate()
+        validation, what = self._validation_estimate(training)
         total = self._same_on_every_rank(training + validation)
         self.state.logged["expected_seconds"] = total
         if self.state.ctx.is_main:
@@ -100,17 +100,17 @@ class FitClock:
                         _minutes(training), measured,
                         f" + ≈ {_minutes(validation)} of validation ({what})" if what else "")
 
-    def _validation_estimate(self) -> tuple[float, str]:
+    def _validation_estimate(self, training: float) -> tuple[float, str]:
         if self.val_estimate is None:
             return 0.0, ""
-        epochs = int(self.state.epochs)
+        epochs, per = int(self.state.epochs), self.val_estimate
         if self.val_every is not None:
             count = sum(1 for e in range(epochs) if (e + 1) % self.val_every == 0
                         or e + 1 == epochs)
             rule = f"every {self.val_every} epoch(s)"
-        else:
-            count, rule = 1, "between epochs only while under 25 % of the training time"
-        per = self.val_estimate
+        else:  # the last, and earlier ones while under the share of the training time
+            between = min(epochs - 1, int(self.VALIDATION_SHARE * training / max(per, 1e-9)))
+            count, rule = 1 + between, "between epochs only while under 25 % of the training time"
         search = per * self.search_passes
         what = (f"{count} validation(s) ≈ {_minutes(per)} each, {rule}; the validation "
                 f"search ≈ {self.search_passes} passes")
