@@ -28,6 +28,8 @@ RUN_FILE = "run.json"
 BASE_FILE = "base.safetensors"
 CALIBRATION_FILE = "calibration.json"
 STAGING_SUFFIX = ".incomplete"
+#: the file that marks a staging folder as bayesify's own (only such folders are deleted)
+STAGING_MARKER = ".bayesify-staging"
 
 
 def is_main() -> bool:
@@ -312,15 +314,36 @@ def check_out(out: Path, flag: str = "--out") -> None:
         probe = probe.parent
     if not (probe.is_dir() and os.access(probe, os.W_OK)):
         raise BayesifyError(f"{flag} {out} cannot be created: {probe} is not writable")
+    check_staging(out, flag)
+
+
+def staging_dir(out: Path) -> Path:
+    return out.parent / (out.name + STAGING_SUFFIX)
+
+
+def _own_staging(folder: Path) -> bool:
+    return folder.is_dir() and not folder.is_symlink() and (folder / STAGING_MARKER).is_file()
+
+
+def check_staging(out: Path, flag: str = "--out") -> None:
+    """``OUT.incomplete`` may be removed only when bayesify made it (it holds the marker):
+    anything else there is someone's, and the command is refused before it starts."""
+    folder = staging_dir(Path(out))
+    if (folder.exists() or folder.is_symlink()) and not _own_staging(folder):
+        raise BayesifyError(
+            f"{flag} {out}: {folder} exists and was not made by bayesify (no {STAGING_MARKER} "
+            "in it), so it may hold your files and is not removed; move it away or choose "
+            f"another {flag}")
 
 
 class StagedOutput:
     """Outputs go to ``OUT.incomplete/`` and move into ``OUT`` only when the command succeeds.
 
     A failed command removes its staging folder; an interrupted one leaves it, and
-    the next run into the same ``OUT`` removes it first. Ranks other than 0 stage
-    into a private temporary folder that is always discarded. ``files``: what was
-    moved into ``OUT``.
+    the next run into the same ``OUT`` removes it first — only a folder carrying the
+    ``.bayesify-staging`` marker this class writes: an ``OUT.incomplete`` of the user's
+    is refused, never deleted. Ranks other than 0 stage into a private temporary folder
+    that is always discarded. ``files``: what was moved into ``OUT``.
     """
 
     def __init__(self, out: Path) -> None:
@@ -328,14 +351,18 @@ class StagedOutput:
 
         self.out = Path(out)
         self.main = is_main()
-        self.dir = (self.out.parent / (self.out.name + STAGING_SUFFIX) if self.main
+        self.dir = (staging_dir(self.out) if self.main
                     else Path(tempfile.mkdtemp(prefix="bayesify-rank")))
         self.files: list[Path] = []
 
     def __enter__(self) -> Path:
         if self.main:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            check_staging(self.out)
+            if self.dir.exists():  # an interrupted run's (it carries the marker)
+                shutil.rmtree(self.dir)
             self.dir.mkdir(parents=True)
+            (self.dir / STAGING_MARKER).write_text("made by bayesify; removed when the "
+                                                   "command ends\n")
         return self.dir
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
@@ -346,7 +373,8 @@ class StagedOutput:
             if (self.dir / MANIFEST_FILE).is_file() and (self.dir / TENSOR_FILE).is_file():
                 move_posterior(self.dir, self.out)  # one atomic commit, not two renames
                 self.files += [self.out / TENSOR_FILE, self.out / MANIFEST_FILE]
-            for src in sorted(p for p in self.dir.rglob("*") if p.is_file()):
+            for src in sorted(p for p in self.dir.rglob("*")
+                              if p.is_file() and p != self.dir / STAGING_MARKER):
                 dst = self.out / src.relative_to(self.dir)
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(src, dst)

@@ -6,12 +6,26 @@
   plus the family's ``Method.posterior_state``), keyed by the base model's own
   module names (``"layer1.0.conv1.mean"``);
 - ``bayesify.json``: method, config, targets, package and format versions, the
-  sha256 of the tensor file and a fingerprint of the base weights (sha256 over
-  name, dtype, shape and bytes of every base ``state_dict`` tensor in name order).
+  sha256 and size of the tensor file, a fingerprint of the base weights (sha256 over
+  name, dtype, shape and bytes of every base ``state_dict`` tensor in name order) and
+  one of the base's computation (``base_architecture``: module classes and settings in
+  order, :func:`bayesify.core.digests.architecture_record`); with ``key=`` an HMAC
+  signature.
 
 ``load_posterior(base_model, dir)`` checks all of that, calls
 ``bayesify(base_model, method, config)`` and loads the tensors strictly. Only
 json and safetensors are read: nothing is ever unpickled.
+
+**Accident vs attack.** The manifest's checksum and the tensor sha256 catch damage
+and careless edits, not a deliberate edit (anyone can recompute them). With
+``save_posterior(dir, key=...)`` the manifest carries ``signature`` = HMAC-SHA256 of
+the manifest under the user's key (the manifest holds the tensor file's sha256, so the
+signature covers both); ``load_posterior(..., key=...)`` refuses an unsigned posterior
+or one whose signature does not verify. Without ``key`` a signature is not checked.
+
+**Backward compatibility.** Manifests written before ``base_architecture`` existed
+load on the weights fingerprint alone; before ``posterior_bytes``, the tensor file's
+size is checked against its own header and the header's shapes against the dry run.
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import hmac
 import json
 import os
 from collections.abc import Mapping
@@ -29,8 +44,11 @@ import torch
 from torch import nn
 
 from bayesify.core.digests import (  # noqa: F401 - re-exported (checkpoints, users)
+    architecture_fingerprint,
+    architecture_record,
     fingerprint,
     fingerprint_from_digests,
+    first_architecture_difference,
     tensor_digest,
     tensor_digests,
 )
@@ -87,8 +105,45 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} {value!r:.60} is not JSON serialisable")
 
 
+#: architecture records longer than this are stored as their fingerprint only
+MAX_RECORDED_MODULES = 20_000
+SIGNATURE_PREFIX = "hmac-sha256:"
+
+
+def _key_bytes(key: str | bytes) -> bytes:
+    if isinstance(key, str):
+        key = key.encode()
+    if not isinstance(key, (bytes, bytearray)) or not key:
+        raise BayesifyError(f"key must be non-empty bytes or a string, got {type(key).__name__}")
+    return bytes(key)
+
+
+def manifest_signature(manifest: Mapping[str, Any], key: str | bytes) -> str:
+    """``hmac-sha256:<hex>`` over the manifest without ``checksum`` and ``signature``."""
+    body = {k: v for k, v in manifest.items() if k not in ("checksum", "signature")}
+    digest = hmac.new(_key_bytes(key), json.dumps(body, sort_keys=True).encode(), hashlib.sha256)
+    return SIGNATURE_PREFIX + digest.hexdigest()
+
+
+def verify_signature(manifest: Mapping[str, Any], key: str | bytes | None, where: Path) -> None:
+    """With a ``key``: the manifest must carry a signature made with it."""
+    if key is None:
+        return
+    expected = manifest_signature(manifest, key)
+    stored = manifest.get("signature")
+    if not isinstance(stored, str):
+        raise BayesifyError(f"{where} is not signed, but key= was given: refusing an unsigned "
+                            "posterior (save it with save_posterior(dir, key=...), or load "
+                            "without key= if you trust it)")
+    if not hmac.compare_digest(stored, expected):
+        raise BayesifyError(f"{where}: the signature does not verify with the given key: the "
+                            "manifest was edited after it was signed, or was signed with "
+                            "another key; refusing it")
+
+
 def build_manifest(bnn: BayesianModel, tensors: dict[str, torch.Tensor], buffer_names: list[str],
-                   base_names: list[str], posterior_sha256: str) -> tuple[dict[str, Any], str]:
+                   base_names: list[str], posterior_sha256: str, *, posterior_bytes: int | None = None,
+                   key: str | bytes | None = None) -> tuple[dict[str, Any], str]:
     """The manifest of a save and its JSON text; every check the loader runs on its
     structure runs here too, so a save that could not be read back fails before the
     first byte is written."""
@@ -111,6 +166,8 @@ def build_manifest(bnn: BayesianModel, tensors: dict[str, torch.Tensor], buffer_
         # the base as saved (after .half(), a fine-tune): loading onto that network works too
         "base_fingerprint_saved": fingerprint(bnn.base_state_dict()),
         "posterior_sha256": posterior_sha256,
+        **({} if posterior_bytes is None else {"posterior_bytes": int(posterior_bytes)}),
+        **_architecture_entries(getattr(bnn, "base_architecture", None)),
         "dtypes": dtype_record(bnn),
         "output_fn": output_fn_record(output_fn_of(bnn.model)),
         "num_classes": head_classes(bnn.model),
@@ -120,17 +177,49 @@ def build_manifest(bnn: BayesianModel, tensors: dict[str, torch.Tensor], buffer_
     except (TypeError, ValueError) as err:
         raise BayesifyError(f"the {bnn.method_name!r} config holds a value json cannot "
                             f"store: {err}") from err
+    if key is not None:
+        manifest["signature"] = manifest_signature(manifest, key)
     manifest["checksum"] = _manifest_checksum(manifest)
     _check_manifest_structure(manifest, Path(MANIFEST_FILE))
     return manifest, json.dumps(manifest, indent=2)
 
 
-def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
+def _architecture_entries(record: list[list[str]] | None) -> dict[str, Any]:
+    if not record:
+        return {}
+    entries: dict[str, Any] = {"base_architecture": architecture_fingerprint(record)}
+    if len(record) <= MAX_RECORDED_MODULES:
+        entries["base_modules"] = record
+    return entries
+
+
+def check_architecture(manifest: Mapping[str, Any], base_model: nn.Module, where: Path) -> None:
+    """The base computes what it computed when the posterior was saved (module classes
+    and settings in order); manifests without ``base_architecture`` are not checked."""
+    saved = manifest.get("base_architecture")
+    if saved is None:
+        return
+    current = architecture_record(base_model)
+    if architecture_fingerprint(current) == saved:
+        return
+    recorded = manifest.get("base_modules")
+    what = (first_architecture_difference(recorded, current) if isinstance(recorded, list)
+            else "its module classes or settings differ")
+    raise BayesifyError(
+        f"the base model ({type(base_model).__name__}) has the weights this posterior was fitted "
+        f"on but computes differently: {what}. Pass the network the posterior was fitted on "
+        f"(same module classes and settings); see {where}")
+
+
+def save_posterior(bnn: BayesianModel, directory: str | os.PathLike, *,
+                   key: str | bytes | None = None) -> Path:
     """Write ``posterior.safetensors`` and ``bayesify.json`` into ``directory``; returns it.
 
     One atomic commit (see :mod:`bayesify.posterior_commit`): after a failure or a
     kill at any point the directory loads as the previous posterior or the new one.
-    Refused before anything is written: non-finite tensors, a config JSON cannot hold.
+    Refused before anything is written: non-finite tensors, a config JSON cannot hold,
+    a directory whose ``bayesify.json`` is not a bayesify posterior's. ``key``: sign
+    the manifest with HMAC-SHA256 (``load_posterior(..., key=...)`` verifies it).
     """
     from safetensors.torch import save as serialise
 
@@ -150,7 +239,7 @@ def save_posterior(bnn: BayesianModel, directory: str | os.PathLike) -> Path:
     cpu = {k: v.to("cpu", copy=True).contiguous() for k, v in tensors.items()}
     data = serialise(cpu, metadata={"format": FORMAT})
     _, text = build_manifest(bnn, tensors, buffer_names, base_names,
-                             hashlib.sha256(data).hexdigest())
+                             hashlib.sha256(data).hexdigest(), posterior_bytes=len(data), key=key)
     directory.mkdir(parents=True, exist_ok=True)
     commit_posterior(directory, data, text.encode())
     return directory
@@ -230,8 +319,40 @@ def check_against_header(manifest: dict[str, Any], header: dict[str, tuple[str, 
             )
 
 
+def _read_tensor_file(directory: Path, manifest: dict[str, Any], base_model: nn.Module,
+                      expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None,
+                      ) -> tuple[dict[str, Any], bytes, Path]:
+    """The committed tensor file's bytes, its header checked (names, the dry run's shapes,
+    saved base tensors against ``base_model``) before its data is read."""
+    from bayesify.posterior_commit import read_committed
+
+    base_shapes = {k: tuple(v.shape) for k, v in base_model.state_dict().items()}
+
+    def check_header(header: dict[str, tuple[str, tuple[int, ...]]], path: Path) -> None:
+        check_against_header(manifest, header, expected, path)
+        for key in manifest.get("base_tensors") or []:
+            name = key[len(BASE_PREFIX):]
+            if header[key][1] != base_shapes.get(name, header[key][1][:0] + (-1,)):
+                raise BayesifyError(f"{path}: saved base tensor {name!r} does not fit the base "
+                                    "model; refused before reading the file's data")
+
+    committed, data, path = read_committed(directory, check_header=check_header)
+    if committed != manifest:
+        raise _ManifestReplaced(f"{directory / MANIFEST_FILE} was replaced while it was "
+                                "loaded (a concurrent save); load it again")
+    return committed, data, path
+
+
+class _ManifestReplaced(BayesifyError):
+    """A concurrent save committed a new manifest during a load: start the load again."""
+
+
+#: loads started again when concurrent saves keep replacing the manifest
+_LOAD_ATTEMPTS = 4
+
+
 def load_posterior(base_model: nn.Module, directory: str | os.PathLike, *,
-                   output_fn: Any = None) -> BayesianModel:
+                   output_fn: Any = None, key: str | bytes | None = None) -> BayesianModel:
     """Rebuild the saved posterior around ``base_model`` (copied) and load it strictly.
 
     Raises :class:`BayesifyError` when the manifest is malformed, the base weights
@@ -241,17 +362,31 @@ def load_posterior(base_model: nn.Module, directory: str | os.PathLike, *,
     meta-device dry run *before* anything is allocated. The dtypes the model had
     when it was saved (``.half()``, ``.double()``) are restored. ``output_fn``: the
     function the posterior was fitted with when it was a callable (a name or index
-    is stored in the manifest and re-applied without it).
+    is stored in the manifest and re-applied without it). ``key``: the posterior must
+    carry an HMAC signature made with this key (``save_posterior(dir, key=...)``).
+    Sizes are checked against the manifest and the file's own header before the
+    tensor data is read; the data is read once, in blocks, and hashed.
     """
+    for attempt in range(_LOAD_ATTEMPTS):
+        try:
+            return _load_posterior(base_model, directory, output_fn=output_fn, signing_key=key)
+        except _ManifestReplaced:
+            if attempt == _LOAD_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _load_posterior(base_model: nn.Module, directory: str | os.PathLike, *, output_fn: Any,
+                    signing_key: str | bytes | None) -> BayesianModel:
     from safetensors import SafetensorError
     from safetensors.torch import load as deserialise
 
     from bayesify.core.factory import bayesify
     from bayesify.core.registry import get_method_class
-    from bayesify.posterior_commit import read_committed
 
     directory = Path(directory)
-    manifest, data, tensor_path = read_committed(directory)
+    manifest = read_manifest(directory)
+    verify_signature(manifest, signing_key, directory / MANIFEST_FILE)
     base_print = fingerprint(base_model.state_dict())
     if base_print not in (manifest["base_fingerprint"], manifest.get("base_fingerprint_saved")):
         _explain_other_base(base_model, manifest)
@@ -261,14 +396,15 @@ def load_posterior(base_model: nn.Module, directory: str | os.PathLike, *,
             f"{manifest['base_fingerprint'][:12]}…); pass the same architecture with the same "
             "weights (and save the base model too if its weights were fine-tuned)"
         )
+    check_architecture(manifest, base_model, directory / MANIFEST_FILE)
     method = manifest["method"]
     try:
         config = get_method_class(method).config_cls.from_kwargs(method, dict(manifest["config"]))
     except (BayesifyError, TypeError) as err:
         raise BayesifyError(f"{directory / MANIFEST_FILE}: its config is not valid ({err})") from err
     spec = _output_fn_to_load(manifest, output_fn, directory / MANIFEST_FILE)
-    header = header_from_bytes(data, tensor_path)
-    check_against_header(manifest, header, _dry_run_shapes(base_model, method, config), tensor_path)
+    manifest, data, tensor_path = _read_tensor_file(directory, manifest, base_model,
+                                                    _dry_run_shapes(base_model, method, config))
     bnn = bayesify(base_model, method, config=config, output_fn=spec)
     if list(bnn.targets) != list(manifest["targets"]):
         raise BayesifyError(f"re-bayesifying wrapped {bnn.targets[:5]}… but the posterior was "

@@ -30,7 +30,7 @@ from bayesify.errors import BayesifyError
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
-__all__ = ["MANIFEST_FILE", "SAFETENSORS_DTYPES", "TENSOR_FILE", "dtype_record", "header_from_bytes",
+__all__ = ["MANIFEST_FILE", "SAFETENSORS_DTYPES", "TENSOR_FILE", "dtype_record", "header_extent", "header_from_bytes",
            "read_manifest", "read_tensor_header", "restore_dtypes"]
 
 
@@ -53,19 +53,28 @@ def read_tensor_header(tensor_path: Path) -> dict[str, tuple[str, tuple[int, ...
 def header_from_bytes(data: bytes, path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``{name: (dtype, shape)}`` from the safetensors header held in ``data`` (checked:
     length, JSON, entries and data offsets inside the file)."""
+    return header_extent(data, path)[0]
+
+
+def header_extent(data: bytes, path: Path, *, file_size: int | None = None,
+                  ) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
+    """``(header, end of the last tensor's data)`` from a safetensors file's first bytes
+    ``data`` (at least the header); ``file_size``: the whole file's size when ``data``
+    holds only its beginning (default ``len(data)``)."""
+    size_of_file = len(data) if file_size is None else file_size
     if len(data) < 8:
         raise BayesifyError(f"cannot read the header of {path}: the file is truncated")
     size = int.from_bytes(data[:8], "little")
-    if size <= 0 or 8 + size > len(data):
+    if size <= 0 or 8 + size > min(len(data), size_of_file):
         raise BayesifyError(f"cannot read the header of {path}: header length {size} does not "
-                            f"fit the {len(data)}-byte file")
+                            f"fit the {size_of_file}-byte file")
     try:
         raw = json.loads(data[8:8 + size])
     except (ValueError, RecursionError) as err:
         raise BayesifyError(f"cannot read the header of {path}: {err}") from err
     if not isinstance(raw, dict):
         raise BayesifyError(f"cannot read the header of {path}: not a JSON object")
-    header, body = {}, len(data) - 8 - size
+    header, body, extent = {}, size_of_file - 8 - size, 0
     for name, entry in raw.items():
         if name == "__metadata__":
             continue
@@ -78,7 +87,8 @@ def header_from_bytes(data: bytes, path: Path) -> dict[str, tuple[str, tuple[int
         if not ok:
             raise BayesifyError(f"cannot read the header of {path}: entry {name!r} is malformed")
         header[name] = (dtype, tuple(shape))
-    return header
+        extent = max(extent, end)
+    return header, 8 + size + extent
 
 
 SAFETENSORS_DTYPES = {
@@ -204,6 +214,14 @@ def _check_manifest_structure(manifest: dict[str, Any], path: Path) -> None:
             or (isinstance(stored_fn, dict) and isinstance(stored_fn.get("callable"), str))):
         raise BayesifyError(f"{path}: 'output_fn' must be a name, an index or "
                             f"{{'callable': name}}, got {str(stored_fn)[:80]!r}")
+    for key, valid in (("posterior_bytes", lambda v: type(v) is int and v >= 8),
+                       ("base_architecture", lambda v: isinstance(v, str) and _SHA256.fullmatch(v)),
+                       ("base_modules", lambda v: isinstance(v, list) and all(
+                           isinstance(e, list) and len(e) == 3
+                           and all(isinstance(x, str) for x in e) for e in v)),
+                       ("signature", lambda v: isinstance(v, str) and len(v) < 256)):
+        if key in manifest and not valid(manifest[key]):
+            raise BayesifyError(f"{path}: {key!r} is malformed ({str(manifest[key])[:80]!r})")
     dtypes = manifest.get("dtypes", {"default": None})
     if not (isinstance(dtypes, dict) and isinstance(dtypes.get("except", {}), dict)):
         raise BayesifyError(f"{path}: 'dtypes' must be an object with 'default' and 'except'")

@@ -233,6 +233,7 @@ def test_failed_fit_leaves_no_partial_outputs(tmp_path, capsys):
     stale = tmp_path / "run.incomplete"
     stale.mkdir()
     (stale / "junk.bin").write_text("left by an interrupted run")
+    (stale / ".bayesify-staging").write_text("")  # an interrupted run's folder is marked
     # passes the checks, fails inside training: nothing reaches RUN, staging is removed
     assert main(["fit", "--map-epochs", "1", "--epochs", "1", "--out", str(run), *FAST,
                  "--fit-option", "lr_schedule=\"bogus\""]) == 2

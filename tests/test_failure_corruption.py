@@ -50,6 +50,7 @@ def reseal(directory, **fields) -> None:
     manifest = json.loads((directory / P.MANIFEST_FILE).read_text())
     manifest.update(fields)
     manifest["posterior_sha256"] = P._file_sha256(directory / P.TENSOR_FILE)
+    manifest["posterior_bytes"] = (directory / P.TENSOR_FILE).stat().st_size
     manifest["checksum"] = P._manifest_checksum(manifest)
     (directory / P.MANIFEST_FILE).write_text(json.dumps(manifest))
 

@@ -95,6 +95,7 @@ def _rewrite(directory, tensors=None, **fields):
     manifest = json.loads((directory / P.MANIFEST_FILE).read_text())
     manifest.update(fields)
     manifest["posterior_sha256"] = P._file_sha256(directory / P.TENSOR_FILE)
+    manifest["posterior_bytes"] = (directory / P.TENSOR_FILE).stat().st_size
     manifest["checksum"] = P._manifest_checksum(manifest)
     (directory / P.MANIFEST_FILE).write_text(json.dumps(manifest))
 
@@ -138,6 +139,7 @@ def test_tampered_files_are_refused(saved, digits_map):
     _rewrite(directory, format_version=P.FORMAT_VERSION, method="no_such_family")
     with pytest.raises(BayesifyError, match="unknown method"):
         load_posterior(digits_map, directory)
+    _rewrite(directory, method="ibnn")
     tensor_path.unlink()
     with pytest.raises(BayesifyError, match="missing"):
         load_posterior(digits_map, directory)

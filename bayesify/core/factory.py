@@ -9,7 +9,7 @@ from torch import nn
 
 from bayesify.core.config import MethodConfig
 from bayesify.core.context import SamplingContext
-from bayesify.core.digests import tensor_digests
+from bayesify.core.digests import architecture_record, tensor_digests
 from bayesify.core.model import BayesianModel
 from bayesify.core.outputs import OutputFn, install_output_fn, resolve_output_fn
 from bayesify.core.registry import get_method_class
@@ -63,6 +63,7 @@ def bayesify(
     # every wrapper and extra module is built before the first setattr, so a failed
     # call leaves the caller's model untouched (inplace=True included)
     digests = tensor_digests(model.state_dict())
+    architecture = architecture_record(model)
     target_model = model if inplace else copy.deepcopy(model)
     requires_grad = {n: p.requires_grad for n, p in target_model.named_parameters()}
     context = SamplingContext(family.components)
@@ -82,6 +83,7 @@ def bayesify(
         skipped=plan.skipped,
         base_digests=digests,
     )
+    bnn.base_architecture = architecture  # what the base computes (save_posterior records it)
     if freeze_base:
         bnn.set_base_trainable(False)
     family.prepare(bnn)

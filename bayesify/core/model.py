@@ -249,9 +249,10 @@ class BayesianModel(nn.Module):
         return implementation("predictor")(self, samples_per_component=samples_per_component,
                                            **kwargs)
 
-    def save_posterior(self, directory: Any) -> Any:
-        """Write ``posterior.safetensors`` + ``bayesify.json``; see ``bayesify.persistence``."""
-        return implementation("save_posterior")(self, directory)
+    def save_posterior(self, directory: Any, *, key: str | bytes | None = None) -> Any:
+        """Write ``posterior.safetensors`` + ``bayesify.json``; see ``bayesify.persistence``
+        (``key``: sign the manifest with HMAC-SHA256)."""
+        return implementation("save_posterior")(self, directory, key=key)
 
     # -- undo / describe -----------------------------------------------------------------
     def unwrap(self) -> nn.Module:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 import warnings
 from pathlib import Path
@@ -50,12 +49,12 @@ if TYPE_CHECKING:
     from bayesify.predict.predictor import BasePredictor
 
 from bayesify.predict.export_meta import (
-    embed_onnx_metadata,
     export_metadata,
-    save_pt2,
-    write_metadata_json,
+    metadata_text,
+    onnx_bytes,
+    pt2_bytes,
 )
-from bayesify.predict.export_trust import sha256_of, write_sha256
+from bayesify.predict.export_trust import commit_export, sha256_of
 from bayesify.predict.exported import (  # noqa: F401 - re-exported
     FORMATS,
     ExportedOutput,
@@ -265,15 +264,16 @@ def export_predictor(
     ``class_names=`` or a Hugging Face ``id2label`` —, ``preprocessing`` — ``"auto"``
     takes a timm model's own, or pass a torchvision transform / a description —, the
     family, the posterior fingerprint), repeated in ``FILE.json``; ``FILE.sha256`` is
-    its integrity record, checked by :func:`run_exported`. With ``verify`` the saved
-    file is reloaded through the same checks and its probs / epistemic must match the
-    in-process predictor to ``atol`` on the example. Returns ``{"path", "format",
+    its integrity record, checked by :func:`run_exported`. With ``verify`` the file's
+    bytes are read back through the same checks and its probs / epistemic must match
+    the in-process predictor to ``atol`` on the example. Only then are the three files
+    written, as one commit (:func:`~bayesify.predict.export_trust.commit_export`): a
+    failure at any point leaves the previous export whole. Returns ``{"path", "format",
     "method", "members", "temperature", "max_abs_diff", "inputs", "dynamic_axes",
     "sha256", "files", "metadata"}``.
     """
     fmt = format_of(path, format)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     method = getattr(getattr(predictor, "bnn", None), "method_name", "model")
     start, loud = time.perf_counter(), is_rank_zero()
     if loud:
@@ -288,20 +288,15 @@ def export_predictor(
                                num_classes=num_classes, inputs=names,
                                dynamic_axes=dynamic_axes(program), class_names=class_names,
                                preprocessing=preprocessing)
-    # write beside the target and rename only once verified: no wrong file is left behind
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    try:
-        if fmt == "pt2":
-            save_pt2(program, tmp, metadata)
-        else:
-            _save_onnx(program, tmp, tuple(names))
-            embed_onnx_metadata(tmp, metadata)
-        digest = sha256_of(tmp.read_bytes())
-        diff = _verify(predictor, tmp, example, method=method, atol=atol) if verify else None
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    files = [path, write_metadata_json(path, metadata), write_sha256(path, digest)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # built and verified in memory; then the program, FILE.json and FILE.sha256 commit as one
+    if fmt == "pt2":
+        data = pt2_bytes(program, metadata)
+    else:
+        data = onnx_bytes(_onnx_model(program, tuple(names)), metadata)
+    digest = sha256_of(data)
+    diff = _verify(predictor, path, data, example, method=method, atol=atol) if verify else None
+    files = commit_export(path, data, metadata_text(metadata))
     if class_names is not None:  # remembered for this predictor's next export
         predictor.class_names = list(metadata["class_names"])
     if loud:
@@ -313,12 +308,12 @@ def export_predictor(
             "sha256": digest, "files": [str(f) for f in files], "metadata": metadata}
 
 
-def _verify(predictor: BasePredictor, path: Path, example: Batch, *, method: str,
+def _verify(predictor: BasePredictor, path: Path, data: bytes, example: Batch, *, method: str,
             atol: float) -> float:
-    """Max |difference| of probs / epistemic between the saved file and ``predictor``
-    (the file is read back through :class:`LoadedExport`'s archive checks)."""
+    """Max |difference| of probs / epistemic between the file's bytes and ``predictor``
+    (read back through :class:`LoadedExport`'s archive and metadata checks)."""
     reference = example.call(predictor)
-    probs, epistemic = example.call(LoadedExport(path, check_sha256=False))
+    probs, epistemic = example.call(LoadedExport(path, data=data))
     diff = max((probs.cpu() - reference.probs.cpu()).abs().max().item(),
                (epistemic.cpu() - reference.epistemic.cpu()).abs().max().item())
     if not diff <= atol:
@@ -330,7 +325,8 @@ def _verify(predictor: BasePredictor, path: Path, example: Batch, *, method: str
     return diff
 
 
-def _save_onnx(program: torch.export.ExportedProgram, path: Path, names: tuple[str, ...]) -> None:
+def _onnx_model(program: torch.export.ExportedProgram, names: tuple[str, ...]) -> Any:
+    """The ONNX ``ModelProto`` of ``program`` (weights included), built in memory."""
     try:
         onnx_program = torch.onnx.export(program, dynamo=True, verbose=False,
                                          input_names=list(names),
@@ -339,4 +335,4 @@ def _save_onnx(program: torch.export.ExportedProgram, path: Path, names: tuple[s
         raise BayesifyError(
             "ONNX export needs onnx and onnxscript: pip install 'bayesify[export]'"
         ) from err
-    onnx_program.save(str(path))
+    return onnx_program.model_proto

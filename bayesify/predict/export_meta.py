@@ -98,22 +98,19 @@ def export_metadata(predictor: BasePredictor, *, fmt: str, members: int, num_cla
     }
 
 
-def save_pt2(program: torch.export.ExportedProgram, path: Path, metadata: dict[str, Any]) -> None:
-    """``torch.export.save`` with the metadata as ``extra/bayesify.json`` (written through a
-    buffer, so the archive's root folder does not carry the temporary file's name)."""
+def pt2_bytes(program: torch.export.ExportedProgram, metadata: dict[str, Any]) -> bytes:
+    """``torch.export.save`` with the metadata as ``extra/bayesify.json``, in memory (the
+    archive's root folder does not carry a temporary file's name)."""
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         # torch warns when frozen member tables share one storage; the payload is complete
         warnings.filterwarnings("ignore", message="No complete tensor found in the group")
         torch.export.save(program, buffer, extra_files={METADATA_NAME: json.dumps(metadata)})
-    path.write_bytes(buffer.getvalue())
+    return buffer.getvalue()
 
 
-def embed_onnx_metadata(path: Path, metadata: dict[str, Any]) -> None:
-    """Add the record to the ONNX model's ``metadata_props`` (in place)."""
-    import onnx
-
-    model = onnx.load(str(path))
+def onnx_bytes(model: Any, metadata: dict[str, Any]) -> bytes:
+    """The serialised ONNX ``ModelProto`` with the record in its ``metadata_props``."""
     props = {"bayesify": json.dumps(metadata),
              "class_names": json.dumps(metadata["class_names"]),
              "preprocessing": json.dumps(metadata["preprocessing"]),
@@ -124,15 +121,13 @@ def embed_onnx_metadata(path: Path, metadata: dict[str, Any]) -> None:
     model.metadata_props.extend(kept)
     for key, value in props.items():
         model.metadata_props.add(key=key, value=value)
-    onnx.save(model, str(path))
+    return model.SerializeToString()
+
+
+def metadata_text(metadata: dict[str, Any]) -> str:
+    """``FILE.json``: the same record beside the file."""
+    return json.dumps(metadata, indent=2)
 
 
 def json_path(path: Path) -> Path:
     return path.with_name(path.name + JSON_SUFFIX)
-
-
-def write_metadata_json(path: Path, metadata: dict[str, Any]) -> Path:
-    """``FILE.json``: the same record beside the file."""
-    target = json_path(path)
-    target.write_text(json.dumps(metadata, indent=2))
-    return target

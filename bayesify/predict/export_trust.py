@@ -1,11 +1,31 @@
-"""Reading an exported predictor without trusting it: integrity record and a
-``.pt2`` archive checked before torch parses it.
+"""Writing an export as one commit, and reading it without trusting it: integrity
+record and a ``.pt2`` archive checked before torch parses it.
 
-**Integrity.** Every export gets ``FILE.sha256`` beside it (``sha256sum -c``
-format). :func:`read_verified` reads the file's bytes once, compares their sha256
+**One commit.** An export is three files: ``FILE`` (the program), ``FILE.json`` (its
+metadata) and ``FILE.sha256`` (``sha256sum -c`` format, one line per file:
+``<sha> FILE`` and ``<sha> FILE.json``). :func:`commit_export` makes them visible
+together; the record is the commit point, as a posterior's manifest is (all under an
+exclusive ``flock`` of the directory, so concurrent exports to one path take turns
+and the last one wins whole):
+
+1. finish an interrupted earlier commit of ``FILE`` and delete its leftover
+   temporary files (only names carrying :mod:`bayesify.atomic_files`' marker);
+2. write the program to ``.FILE.<sha16>-<random>.pending``, the metadata to
+   ``.FILE.json.<sha16>-<random>.pending`` and the new record to
+   ``.FILE.sha256-<random>.tmp`` (fresh ``O_EXCL | O_NOFOLLOW`` names, fsync'ed);
+3. rename the record onto ``FILE.sha256`` — **the commit**;
+4. rename the program onto ``FILE`` and the metadata onto ``FILE.json``.
+
+A failure or kill before 3 leaves the previous export (all three files) untouched;
+after 3, :func:`read_verified` finds the new program in its pending file by the
+recorded sha256 (and finishes the renames when it can write the directory; the next
+export always does). Nothing is ever written through a symlink: renames replace a
+link, never its target.
+
+**Integrity.** :func:`read_verified` reads the file's bytes once, compares their sha256
 with the record and hands on *those bytes* (no second read a swapped file could
 slip into). A missing record or a mismatch (flipped bytes, a truncated copy) is
-refused.
+refused. Records of older exports (one line) are still read.
 
 **No code from a .pt2.** ``torch.export.load`` may run code from the archive:
 pickled weights / constants (``use_pickle``) and custom objects are unpickled with
@@ -31,6 +51,7 @@ ONNX files are protobuf run by onnxruntime: no Python code is loaded from them.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import io
 import json
@@ -41,9 +62,22 @@ from typing import Any
 
 import torch
 
+from bayesify.atomic_files import (
+    directory_lock,
+    file_sha256,
+    fsync_directory,
+    is_own_temp,
+    replace,
+    write_temp,
+)
 from bayesify.errors import BayesifyError
 
 SHA256_SUFFIX = ".sha256"
+JSON_SUFFIX = ".json"
+#: an integrity record is two short lines; anything far larger is not one
+MAX_RECORD_BYTES = 1 << 16
+#: times a reader looks again when a concurrent export replaced the files under it
+_READ_ATTEMPTS = 4
 
 #: records of a plain ``torch.export.save`` archive (relative to its root folder)
 _RECORD = re.compile(
@@ -76,34 +110,199 @@ def sha256_path(path: Path) -> Path:
     return path.with_name(path.name + SHA256_SUFFIX)
 
 
+def _json_path(path: Path) -> Path:
+    return path.with_name(path.name + JSON_SUFFIX)
+
+
 def write_sha256(path: Path, digest: str, *, name: str | None = None) -> Path:
-    """``FILE.sha256`` holding ``"<hex>  <name>"`` (``sha256sum -c`` checks it)."""
+    """``FILE.sha256`` holding ``"<hex>  <name>"`` (``sha256sum -c`` checks it), written
+    atomically under a fresh name and renamed into place (never through a symlink)."""
     record = sha256_path(path)
-    record.write_text(f"{digest}  {name or path.name}\n")
+    staged = write_temp(path.parent, f"{digest}  {name or path.name}\n".encode(),
+                        prefix=f".{path.name}.sha256-", suffix=".tmp")
+    replace(staged, record)
     return record
+
+
+def read_record(record: Path) -> list[tuple[str, str]]:
+    """``[(file name, sha256 hex)]`` of an integrity record (``sha256sum`` lines)."""
+    try:
+        with record.open("rb") as fh:
+            text = fh.read(MAX_RECORD_BYTES + 1)
+    except OSError as err:
+        raise BayesifyError(f"cannot read the integrity record {record}: {err}") from err
+    lines = []
+    try:
+        for line in text.decode().splitlines():
+            parts = line.split(maxsplit=1)
+            if parts and re.fullmatch(r"[0-9a-fA-F]{64}", parts[0]):
+                lines.append(((parts[1] if len(parts) > 1 else "").lstrip("*"), parts[0].lower()))
+    except UnicodeDecodeError:
+        lines = []
+    if not lines or len(text) > MAX_RECORD_BYTES:
+        raise BayesifyError(f"{record} is not an integrity record (sha256sum lines); it is "
+                            "damaged: export again")
+    return lines
+
+
+def _recorded(lines: list[tuple[str, str]], name: str, *, metadata: bool) -> str | None:
+    """The digest recorded for ``name``; for an export renamed with its record, the first
+    line for a program (``metadata=False``) or for a ``.json`` (``metadata=True``)."""
+    for recorded_name, digest in lines:
+        if recorded_name == name:
+            return digest
+    for recorded_name, digest in lines:
+        if recorded_name.endswith(JSON_SUFFIX) == metadata:
+            return digest
+    return None
+
+
+# -- the commit -------------------------------------------------------------------------------
+def _pending_prefix(path: Path, sha: str, *, metadata: bool) -> str:
+    return f".{path.name}{JSON_SUFFIX if metadata else ''}.{sha[:16]}-"
+
+
+def _is_export_temp(path: Path, name: str) -> bool:
+    base = re.escape(f".{path.name}")
+    return (is_own_temp(name, re.compile(base + r"(\.json)?\.[0-9a-f]{16}-"), ".pending")
+            or is_own_temp(name, f".{path.name}.sha256-", ".tmp"))
+
+
+def _pending(path: Path, sha: str, *, metadata: bool = False) -> list[Path]:
+    pattern = glob.escape(_pending_prefix(path, sha, metadata=metadata)) + "*.pending"
+    return sorted(path.parent.glob(pattern))
+
+
+def _settle(path: Path) -> None:
+    """Step 1 of the module docstring (the caller holds the directory's lock)."""
+    leftovers = [p for p in path.parent.iterdir() if _is_export_temp(path, p.name)]
+    if not leftovers:
+        return
+    try:
+        lines = read_record(sha256_path(path)) if sha256_path(path).is_file() else []
+    except BayesifyError:
+        lines = []
+    if lines:
+        for target, metadata in ((path, False), (_json_path(path), True)):
+            sha = _recorded(lines, target.name, metadata=metadata)
+            if sha is None or file_sha256(target) == sha:
+                continue
+            for candidate in _pending(path, sha, metadata=metadata):
+                if _is_export_temp(path, candidate.name) and file_sha256(candidate) == sha:
+                    replace(candidate, target)
+                    break
+    for leftover in leftovers:
+        leftover.unlink(missing_ok=True)
+
+
+def _finish_interrupted(path: Path) -> None:
+    """Best effort: a reader that found the program in its pending file completes the
+    renames (a read-only directory stays as it is; the next export completes them)."""
+    try:
+        with directory_lock(path.parent):
+            _settle(path)
+    except OSError:
+        pass
+
+
+def _complete_metadata(path: Path, lines: list[tuple[str, str]]) -> None:
+    """A commit interrupted after the program's rename leaves ``FILE.json`` pending:
+    finish it, so the metadata beside the file is the program's."""
+    sha = _recorded(lines, _json_path(path).name, metadata=True)
+    if (sha is not None and _pending(path, sha, metadata=True)
+            and file_sha256(_json_path(path)) != sha):
+        _finish_interrupted(path)
+
+
+def commit_export(path: Path, program: bytes, metadata_text: str) -> list[Path]:
+    """Steps 1–4 of the module docstring; returns ``[FILE, FILE.json, FILE.sha256]``."""
+    files = [path, _json_path(path), sha256_path(path)]
+    for target in files:
+        if target.is_dir() and not target.is_symlink():
+            raise BayesifyError(f"{target} is a directory; an export needs that name for a file")
+    metadata = metadata_text.encode()
+    program_sha, metadata_sha = sha256_of(program), sha256_of(metadata)
+    record = f"{program_sha}  {path.name}\n{metadata_sha}  {files[1].name}\n".encode()
+    parent = path.parent
+    with directory_lock(parent):
+        _settle(path)
+        written: list[Path] = []
+        try:
+            written.append(write_temp(parent, program, prefix=_pending_prefix(
+                path, program_sha, metadata=False), suffix=".pending"))
+            written.append(write_temp(parent, metadata, prefix=_pending_prefix(
+                path, metadata_sha, metadata=True), suffix=".pending"))
+            written.append(write_temp(parent, record, prefix=f".{path.name}.sha256-",
+                                      suffix=".tmp"))
+            fsync_directory(parent)
+            replace(written[2], files[2])  # the commit
+        except BaseException:
+            committed = file_sha256(files[2]) == sha256_of(record)
+            for temporary in written[2:] if committed else written:
+                temporary.unlink(missing_ok=True)
+            raise
+        replace(written[0], path)
+        replace(written[1], files[1])
+    return files
 
 
 def read_verified(path: Path, *, check_sha256: bool = True) -> bytes:
     """The bytes of ``path``, checked against ``FILE.sha256`` (see the module docstring)."""
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise BayesifyError(f"cannot read the export {path}: {err}") from err
     if not check_sha256:
-        return data
+        try:
+            return path.read_bytes()
+        except OSError as err:
+            raise BayesifyError(f"cannot read the export {path}: {err}") from err
     record = sha256_path(path)
     if not record.is_file():
         raise BayesifyError(
             f"{path} has no integrity record {record.name} beside it, so its content cannot be "
             "checked; keep the .sha256 written by export with the file, or pass "
             "check_sha256=False for a file you trust (the archive checks still apply)")
-    expected = record.read_text().split()[0].lower() if record.read_text().split() else ""
+    problem = ""
+    for _ in range(_READ_ATTEMPTS):
+        lines = read_record(record)
+        expected = _recorded(lines, path.name, metadata=False) or ""
+        try:
+            data, actual = _read_if_recorded(path, expected)
+        except FileNotFoundError:
+            data, problem = None, f"cannot read the export {path}: it does not exist"
+        except OSError as err:
+            raise BayesifyError(f"cannot read the export {path}: {err}") from err
+        else:
+            if data is not None:
+                _complete_metadata(path, lines)
+                return data
+            problem = (f"{path} does not match its integrity record {record.name} (sha256 "
+                       f"{actual[:16]}… ≠ {expected[:16]}…): the file was changed or damaged "
+                       "after export; refusing it")
+        for candidate in _pending(path, expected):  # committed, not yet renamed into place
+            try:
+                data, _ = _read_if_recorded(candidate, expected)
+            except OSError:
+                continue
+            if data is not None:
+                _finish_interrupted(path)
+                return data
+    raise BayesifyError(problem)
+
+
+#: files larger than this are hashed in blocks before they are read into memory
+_HASH_FIRST_BYTES = 256 << 20
+
+
+def _read_if_recorded(path: Path, expected: str) -> tuple[bytes | None, str]:
+    """``(bytes, sha256)`` of ``path`` when it hashes to ``expected``, else ``(None, sha256)``.
+    A large file is hashed in blocks first, so a wrong one (a 64 GiB sparse file) is
+    refused without being held in memory; only a matching one is read (and hashed again:
+    what is returned is what was checked)."""
+    if path.stat().st_size > _HASH_FIRST_BYTES:
+        actual = file_sha256(path)
+        if actual != expected:
+            return None, actual or "unreadable"
+    data = path.read_bytes()
     actual = sha256_of(data)
-    if actual != expected:
-        raise BayesifyError(
-            f"{path} does not match its integrity record {record.name} (sha256 {actual[:16]}… "
-            f"≠ {expected[:16]}…): the file was changed or damaged after export; refusing it")
-    return data
+    return (data if actual == expected else None), actual
 
 
 # -- the .pt2 archive -------------------------------------------------------------------------

@@ -14,6 +14,12 @@ Both formats are read through :func:`~bayesify.predict.export_trust.read_verifie
 :func:`~bayesify.predict.export_trust.check_pt2_archive` before ``torch.export.load``
 parses it, so nothing in the file is unpickled or evaluated. ONNX runs on
 onnxruntime (CPU); ``.pt2`` on torch, on the inputs' device.
+
+Only bayesify exports are run: a program without bayesify's metadata record (a plain
+``torch.export.save`` of another model) is refused, and every call checks that the
+outputs are ``probs [B, C]`` and ``epistemic [B]`` with the recorded ``C``. Inputs
+holding NaN/inf are refused as by the in-process predictor (``nonfinite="propagate"``
+lets them through).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from bayesify.predict.export_inputs import InputLayout, example_batch
 from bayesify.predict.export_meta import METADATA_NAME
 from bayesify.predict.export_trust import check_pt2_archive, read_verified
 from bayesify.predict.preprocessing import apply_preprocessing
+from bayesify.predict.serving import check_inputs, check_nonfinite_policy
 
 FORMATS = ("pt2", "onnx")
 
@@ -99,17 +106,23 @@ def _numpy_input(t: torch.Tensor) -> Any:
 
 class LoadedExport:
     """An exported predictor read from disk: call it like the program, read ``metadata``,
-    ``preprocess`` raw images as recorded."""
+    ``preprocess`` raw images as recorded. ``data``: the file's bytes, already in hand
+    (export's own verification); ``nonfinite``: ``"error"`` (default) refuses NaN/inf
+    inputs like the in-process predictor, ``"propagate"`` lets them through."""
 
-    def __init__(self, path: str | Path, *, check_sha256: bool = True) -> None:
+    def __init__(self, path: str | Path, *, check_sha256: bool = True, data: bytes | None = None,
+                 nonfinite: str = "error") -> None:
         self.path = Path(path)
         self.format = format_of(self.path)
-        data = read_verified(self.path, check_sha256=check_sha256)
+        self.nonfinite = check_nonfinite_policy(nonfinite)
+        if data is None:
+            data = read_verified(self.path, check_sha256=check_sha256)
         if self.format == "onnx":
-            self._session, self.metadata = _onnx_session(data)
+            self._session, self.metadata = _onnx_session(data, self.path)
         else:
             check_pt2_archive(data, self.path)
             self._module, self.metadata = _pt2_module(data)
+        _check_metadata(self.metadata, self.path)
 
     @property
     def class_names(self) -> list[str] | None:
@@ -125,7 +138,10 @@ class LoadedExport:
 
     def __call__(self, *inputs: Any, **named: Any) -> ExportedOutput:
         batch = _batch(inputs, named)
+        check_inputs(batch, self.nonfinite, where=f"exported predictor {self.path.name}")
         layout = InputLayout.of(batch)
+        first = layout.tensors(batch)[0]
+        rows = int(first.shape[0]) if first.dim() else -1
         if self.format == "onnx":
             wanted = [i.name for i in self._session.get_inputs()]
             given = dict(zip(layout.names, layout.tensors(batch)))
@@ -134,24 +150,70 @@ class LoadedExport:
             missing = [n for n in wanted if n not in given]
             if missing:
                 raise BayesifyError(f"the ONNX program takes inputs {wanted}; missing {missing}")
-            probs, epistemic = self._session.run(None, {n: _numpy_input(given[n]) for n in wanted})
-            return ExportedOutput(torch.from_numpy(probs), torch.from_numpy(epistemic),
-                                  self.metadata)
-        args, kwargs = layout.call_inputs(batch)
-        with torch.no_grad():
-            probs, epistemic = self._module(*args, **kwargs)
+            outputs = self._session.run(None, {n: _numpy_input(given[n]) for n in wanted})
+            outputs = [torch.from_numpy(o) for o in outputs]
+        else:
+            args, kwargs = layout.call_inputs(batch)
+            with torch.no_grad():
+                outputs = self._module(*args, **kwargs)
+        probs, epistemic = _checked_outputs(outputs, rows, self.metadata, self.path)
         return ExportedOutput(probs, epistemic, self.metadata)
 
 
-def _onnx_session(data: bytes) -> tuple[Any, dict[str, Any]]:
+def _check_metadata(metadata: Any, path: Path) -> None:
+    """A bayesify export records itself; anything else is not run."""
+    ok = (isinstance(metadata, dict) and type(metadata.get("bayesify_export")) is int
+          and type(metadata.get("num_classes")) is int and metadata["num_classes"] >= 1
+          and metadata.get("outputs") == ["probs", "epistemic"])
+    if not ok:
+        where = "extra/bayesify.json" if path.suffix.lower() == ".pt2" else "metadata_props"
+        raise BayesifyError(
+            f"{path} is not a bayesify export: it has no valid bayesify metadata record "
+            f"({where}), so what its outputs mean is unknown. Run only files written by "
+            "predictor.export(...); a plain torch.export / ONNX model of your own is run with "
+            "torch.export.load / onnxruntime directly (trusted files only)")
+
+
+def _checked_outputs(outputs: Any, rows: int, metadata: dict[str, Any],
+                     path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs [B, C], epistemic [B])`` with the recorded ``C``, or a refusal."""
+    classes = metadata["num_classes"]
+    is_pair = isinstance(outputs, (tuple, list))
+    shapes = ([tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
+               for o in outputs] if is_pair else [type(outputs).__name__])
+    if not (is_pair and shapes == [(rows, classes), (rows,)]):
+        raise BayesifyError(
+            f"{path} returned outputs of shapes {shapes}, not the recorded probs [{rows}, "
+            f"{classes}] and epistemic [{rows}]: the program is not the export its metadata "
+            "describes; refusing its outputs")
+    return outputs[0], outputs[1]
+
+
+def _what_it_is(data: bytes) -> str:
+    if data[:2] == b"PK":
+        return "it is a zip archive (a .pt2 or torch.save file?)"
+    if data[:1] == b"\x80":
+        return "it is a Python pickle (torch.save / pickle.dump)"
+    return "its bytes are not an ONNX protobuf"
+
+
+def _onnx_session(data: bytes, path: Path) -> tuple[Any, dict[str, Any]]:
     try:
         import onnxruntime
     except ImportError as err:
         raise BayesifyError("running an ONNX export needs onnxruntime: "
                             "pip install 'bayesify[export]'") from err
-    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    try:
+        session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    except Exception as err:  # noqa: BLE001 - onnxruntime raises its own pybind error kinds
+        first = str(err).strip().splitlines()[0][:160] if str(err).strip() else ""
+        raise BayesifyError(f"{path} is not an ONNX model: {_what_it_is(data)} (onnxruntime: "
+                            f"{first}). Export with predictor.export('model.onnx', x)") from None
     record = session.get_modelmeta().custom_metadata_map.get("bayesify")
-    return session, (json.loads(record) if record else {})
+    try:
+        return session, (json.loads(record) if record else {})
+    except ValueError:
+        return session, {}
 
 
 def _pt2_module(data: bytes) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -164,17 +226,22 @@ def _pt2_module(data: bytes) -> tuple[torch.nn.Module, dict[str, Any]]:
     finally:
         quiet.setLevel(level)
     record = extra.get(METADATA_NAME) or ""
-    return program.module(), (json.loads(record) if record else {})
+    try:
+        return program.module(), (json.loads(record) if record else {})
+    except ValueError:
+        return program.module(), {}
 
 
-def load_exported(path: str | Path, *, check_sha256: bool = True) -> LoadedExport:
+def load_exported(path: str | Path, *, check_sha256: bool = True,
+                  nonfinite: str = "error") -> LoadedExport:
     """Read an exported predictor after the integrity and archive checks (module docstring).
     ``check_sha256=False`` skips only the sha256 record (for a file you trust)."""
-    return LoadedExport(path, check_sha256=check_sha256)
+    return LoadedExport(path, check_sha256=check_sha256, nonfinite=nonfinite)
 
 
 def run_exported(path: str | Path, *inputs: Any, preprocess: bool = False,
-                 check_sha256: bool = True, **named: Any) -> ExportedOutput:
+                 check_sha256: bool = True, nonfinite: str = "error",
+                 **named: Any) -> ExportedOutput:
     """``(probs, epistemic)`` of a saved ``.pt2`` (torch, on the inputs' device) or ``.onnx``
     (onnxruntime, CPU), with ``.metadata`` (class names, preprocessing, family, fingerprint).
 
@@ -183,7 +250,7 @@ def run_exported(path: str | Path, *inputs: Any, preprocess: bool = False,
     ``preprocess=True``: ``x`` is raw images (PIL or image tensors), prepared by the
     recorded preprocessing first.
     """
-    exported = LoadedExport(path, check_sha256=check_sha256)
+    exported = LoadedExport(path, check_sha256=check_sha256, nonfinite=nonfinite)
     if preprocess:
         if len(inputs) != 1 or named:
             raise BayesifyError("preprocess=True takes one input: the images")
