@@ -13,6 +13,7 @@ fills in ``--model``, ``--data``, ``--checkpoint`` and ``--image-size``.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Callable
@@ -147,13 +148,38 @@ def _run_fit(args: argparse.Namespace) -> int:
                 "classes": spec["classes"], "method": args.method, "options": options,
                 "seed": args.seed, "paths": RUN_PATHS,
                 "fit": {k: v for k, v in fit_kwargs.items() if not k.endswith("_loader")},
-                "history": history, "val": val,
+                "history": history, "val": val, "outcome": fit_outcome(history),
             })
     if is_main():
         print(bnn.summary())
         print("\nvalidation:\n" + format_metrics(val))
         print("\n" + staged.summary())
-    return 0
+    return exit_if_worse(history, Path(args.out), args.method)
+
+
+def fit_outcome(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """What run.json records of the fit's comparison with its starting network (the
+    validated start, the state kept, whether it is still clearly worse)."""
+    first, last = (history[0], history[-1]) if history else ({}, {})
+    keys = ("kept", "kept_val_accuracy", "kept_val_nll", "worse_than_start")
+    return {**{k: first[k] for k in ("start_val_accuracy", "start_val_nll") if k in first},
+            **{k: last[k] for k in keys if k in last}}
+
+
+def exit_if_worse(history: list[dict[str, Any]], out: Path, method: str) -> int:
+    """3 (and the comparison on stderr) when the fitted posterior is clearly worse on
+    validation than the network it started from, else 0."""
+    outcome = fit_outcome(history)
+    if not outcome.get("worse_than_start"):
+        return 0
+    if is_main():
+        print(f"bayesify: error: the posterior in {out} is worse on validation than the network "
+              f"it started from (accuracy {outcome['kept_val_accuracy']:.4f} vs "
+              f"{outcome['start_val_accuracy']:.4f}, NLL {outcome['kept_val_nll']:.4f} vs "
+              f"{outcome['start_val_nll']:.4f}; kept: {outcome['kept']}). It is written for "
+              "inspection, not for use: try a lower --lr, fewer --epochs or a smaller initial "
+              f"spread (`bayesify methods {method}`)", file=sys.stderr)
+    return 3
 
 
 def _fit_or_tune(bnn: Any, loaders: dict[str, Any], args: argparse.Namespace,
@@ -254,6 +280,25 @@ class _Replay(BasePredictor):
                 for i in range(0, count, chunk)]
 
 
+def refuse_worse_run(posterior: str | None) -> None:
+    """A run whose fit ended worse on validation than its starting network is not calibrated:
+    a temperature would flatten the collapse into a well-calibrated-looking predictive."""
+    if not posterior:
+        return
+    path = Path(posterior) / RUN_FILE
+    try:
+        outcome = json.loads(path.read_text()).get("outcome", {}) if path.is_file() else {}
+    except (OSError, ValueError, AttributeError):
+        return  # resolve() reports a damaged run.json
+    if isinstance(outcome, dict) and outcome.get("worse_than_start"):
+        raise BayesifyError(
+            f"{posterior}: its fit ended worse on validation than the network it started from "
+            f"(accuracy {outcome.get('kept_val_accuracy')} vs {outcome.get('start_val_accuracy')}, "
+            f"NLL {outcome.get('kept_val_nll')} vs {outcome.get('start_val_nll')}); calibrating "
+            "it would hide that behind a flat predictive. Fit again (a lower --lr, fewer "
+            "--epochs) and calibrate that run")
+
+
 # -- calibrate ------------------------------------------------------------------------------
 def _add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_arguments(parser, posterior=True)
@@ -273,6 +318,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
     out = Path(args.out or args.posterior or "bayesify-calibration")
     check_out(out)
+    refuse_worse_run(args.posterior)
     model, bundle, _ = resolve(args)
     # start from the posterior's own temperature (the one its fit chose and stored), not
     # from a previous calibration.json: calibrating twice gives the same answer

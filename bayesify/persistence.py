@@ -173,6 +173,7 @@ def build_manifest(bnn: BayesianModel, tensors: dict[str, torch.Tensor], buffer_
         # the saved temperature acts on the predictive: softmax(log p̄ / T)
         "temperature_kind": TEMPERATURE_KIND,
         "temperature_source": getattr(bnn, "temperature_source", "default"),
+        "num_classes": head_classes(bnn.model),
     }
     try:  # numpy / torch scalars in a config become plain numbers
         manifest = json.loads(json.dumps(manifest, default=_json_default, allow_nan=False))
@@ -400,6 +401,7 @@ def _load_posterior(base_model: nn.Module, directory: str | os.PathLike, *, outp
     verify_signature(manifest, signing_key, directory / MANIFEST_FILE)
     base_print = fingerprint(base_model.state_dict())
     if base_print not in (manifest["base_fingerprint"], manifest.get("base_fingerprint_saved")):
+        _explain_other_base(base_model, manifest)
         raise BayesifyError(
             f"the base model ({type(base_model).__name__}, weights fingerprint {base_print[:12]}…) "
             f"is not the one this posterior was fitted on ({manifest.get('base_model')}, "
@@ -474,6 +476,38 @@ def _check_temperature_kind(bnn: BayesianModel, manifest: dict[str, Any], old: s
                 "re-run bayesify.tune(bnn, val_loader) or calibrate, then save it again")
         bnn.state.set("temperature", 1.0)
         bnn.temperature_source = "default"
+
+
+def head_classes(model: nn.Module) -> int | None:
+    """Outputs of ``model``'s classifier (:func:`~bayesify.core.walker.find_classifier`), or
+    None when it has none the walker recognises."""
+    from bayesify.core.walker import find_classifier
+
+    name = find_classifier(model)
+    if name is None:
+        return None
+    head = model.get_submodule(name)
+    return int(getattr(head, "out_features", getattr(head, "out_channels", 0))) or None
+
+
+def _explain_other_base(base_model: nn.Module, manifest: dict[str, Any]) -> None:
+    """The two mistakes behind most fingerprint mismatches, said plainly: the wrapped model
+    passed instead of the base, and a head with another class count."""
+    from bayesify.core.layers import BayesianLayer
+    from bayesify.core.model import BayesianModel
+
+    if isinstance(base_model, BayesianModel) or any(
+            isinstance(m, BayesianLayer) for m in base_model.modules()):
+        raise BayesifyError(
+            "load_posterior takes the base network, not a bayesified one: pass the base model "
+            "(`bnn.unwrap()`, or the pretrained network as you built it before bayesify)")
+    saved = manifest.get("num_classes")
+    if isinstance(saved, int) and not isinstance(saved, bool):
+        given = head_classes(base_model)
+        if given is not None and given != saved:
+            raise BayesifyError(
+                f"the head has {given} classes, the posterior {saved}: load it onto the network "
+                f"it was fitted on (a classifier with {saved} outputs, the same weights)")
 
 
 def _output_fn_to_load(manifest: dict[str, Any], given: Any, where: Path) -> Any:

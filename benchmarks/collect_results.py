@@ -34,6 +34,9 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
      "tests."), [
         Part("first_hour.md", "bayesify demo, the first example and the tests: time and verdict",
              "OMP_NUM_THREADS=1 /usr/bin/time -v bayesify demo --no-progress"),
+        Part("first_fit.md", "A default fit on a real network (EfficientNet-Lite0): its duration, "
+             "said early", "OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/first_fit_lite0.py "
+             "--train 300 --val 30"),
     ]),
     ("Quality", ("How good the posteriors are: NLL, calibration, shift and OOD against peers "
      "and the starting network."), [

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from bayesify import bayesify, fit
+from bayesify.cli import exit_if_worse, fit_outcome
 from bayesify.core.registry import list_methods
 from bayesify.data.model_source import create_model, model_transforms
 from bayesify.data.sources import default_workers, inspect_image_folder, plan_batches
@@ -221,7 +222,7 @@ def _final_metrics(bnn: Any, history: list[dict], val_loader: Any, args: argpars
                    ctx: Any, amp: bool, channels_last: bool) -> dict[str, Any]:
     """The last epoch's validation when it used the prediction setting; else one evaluation."""
     last = history[-1] if history else {}
-    if args.val_samples is None and "val_nll" in last:
+    if args.val_samples is None and "val_nll" in last and last.get("kept", "last") == "last":
         x = next(iter(val_loader))[0][:1]
         members = int(bnn.predictor().member_logits(x).shape[0])
         return {"n": len(val_loader.dataset), "members": members,
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
         run = {"model": args.model, "classes": classes, "data": portable_path(args.data, out),
                "image_size": args.image_size, "pretrained": args.pretrained,
                "checkpoint": portable_path(args.checkpoint, out), "method": args.method,
-               "paths": RUN_PATHS}
+               "paths": RUN_PATHS, "outcome": fit_outcome(result.history)}
         # a randomly initialised base is kept (base.safetensors, as `bayesify fit` does)
         keep_base = ready["model"] if args.checkpoint is None and not args.pretrained else None
         written = _write_posterior(bnn, out, run, base=keep_base)
@@ -339,6 +340,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps({"final": final}, default=float), flush=True)
         print("wrote " + ", ".join(str(p) for p in written if p.exists()), flush=True)
     cleanup_distributed()
+    # a posterior worse on validation than the network it started from is not a success
+    code = exit_if_worse(result.history, out, args.method)
+    if code:
+        raise SystemExit(code)
     return final
 
 

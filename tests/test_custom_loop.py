@@ -63,16 +63,16 @@ def test_every_entry_point_takes_mapping_batches():
             super().__init__()
             self.inner = inner
 
-        def forward(self, pixel_values):
-            return self.inner(pixel_values)
+        def forward(self, features):
+            return self.inner(features)
 
     x, y = loader(n=16).dataset.tensors
-    rows = [{"pixel_values": a, "labels": b} for a, b in zip(x, y)]
+    rows = [{"features": a, "labels": b} for a, b in zip(x, y)]
     data = DataLoader(rows, batch_size=4)
     bnn = bayesify(Named(model()), "ibnn")
     fit(bnn, data, progress=False, n_train=1000)
     pred = bnn.predictor()
-    assert torch.equal(pred(pixel_values=x[:3]).probs, pred({"pixel_values": x[:3]}).probs)
+    assert torch.equal(pred(features=x[:3]).probs, pred({"features": x[:3]}).probs)
     pred.calibrate(data)
     assert pred.evaluate(data)["n"] == 16
     assert select(pred, data, k=3).shape == (3,)

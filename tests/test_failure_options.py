@@ -111,7 +111,12 @@ def test_every_config_option_is_refused_clearly_or_works_finitely(method):
         else:
             torch.manual_seed(0)
             assert torch.isfinite(bnn(x)).all(), options
-            probs = bnn.predictor()(x).probs
+            predictor = bnn.predictor()
+            if not bnn.method.step().ready(bnn):  # a posterior only fit builds: refused
+                with pytest.raises(BayesifyError, match="builds its posterior in bayesify.fit"):
+                    predictor(x)
+                predictor.during_fit = True  # the predictive fit's own validation sees
+            probs = predictor(x).probs
             assert torch.isfinite(probs).all(), options
             assert torch.allclose(probs.sum(-1), torch.ones(6), atol=1e-4)
         assert same(snapshot(base), before)  # the caller's model: never touched

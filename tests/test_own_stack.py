@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import bayesify, fit
 from bayesify.cli import build_parser
-from bayesify.train.loop import DEFAULT_MIN_STEPS, EPOCHS_HELP
+from bayesify.train.loop import DEFAULT_FORWARDS, EPOCHS_HELP
 
 
 def _epochs_action(parser):
@@ -31,7 +31,7 @@ def test_every_entry_point_defaults_to_fits_budget_and_says_so():
                _epochs_action(_script().build_parser(show_family=False))]
     for action in actions:
         assert action.default is None and action.help == EPOCHS_HELP
-    assert f"at least {DEFAULT_MIN_STEPS} optimiser steps" in EPOCHS_HELP
+    assert f"at least {DEFAULT_FORWARDS} forward passes" in EPOCHS_HELP
     assert inspect.signature(run_demo).parameters["epochs"].default is None
 
 

@@ -5,8 +5,10 @@ A loader may yield
 
 - a tensor ``x`` (inputs only);
 - a pair ``(x, y)``;
-- a mapping (Hugging Face style): the label under ``labels`` (or ``label``),
-  every other entry passed to the model as a keyword argument;
+- a mapping (Hugging Face style): the label under ``labels`` (or ``label``); a single
+  input under ``image``/``img``/``pixel_values`` is passed positionally (``model(x)``),
+  other entries as keyword arguments (a key the model's ``forward`` does not take, or a
+  label under another name such as ``y``, is refused with a ``batch_fn`` example);
 - anything else, when the caller passes ``batch_fn(batch) -> (inputs, labels)``
   where ``inputs`` is a tensor, a tuple of positional inputs or a mapping of
   keyword inputs and ``labels`` a tensor or ``None``.
@@ -104,7 +106,10 @@ class Batch:
     # -- calling -----------------------------------------------------------------------
     def call(self, model: nn.Module | Callable[..., Any]) -> Any:
         """``model(*args, **kwargs)`` with the inputs in the model's dtype (see
-        :func:`model_ready`)."""
+        :func:`model_ready`); keyword inputs the model's ``forward`` does not take are
+        refused first (:func:`check_keywords`)."""
+        if self.kwargs:
+            check_keywords(model, self)
         args, kwargs = model_ready(model, self.args, self.kwargs)
         return _calling(model, args, kwargs)
 
@@ -149,16 +154,7 @@ def split_batch(batch: Any, batch_fn: BatchFn | None = None) -> Batch:
     if isinstance(batch, torch.Tensor):
         return Batch((batch,), {}, None)
     if isinstance(batch, Mapping):
-        inputs = dict(batch)
-        labels = None
-        for key in LABEL_KEYS:
-            if key in inputs:
-                labels = inputs.pop(key)
-                break
-        if not inputs:
-            raise BayesifyError(f"the batch mapping holds only labels ({sorted(batch)}); "
-                                "no model inputs are left")
-        return Batch((), inputs, _check_labels(labels))
+        return _mapping_batch(batch)
     if isinstance(batch, (tuple, list)):
         if len(batch) == 1:
             return Batch((batch[0],), {}, None)
@@ -173,6 +169,66 @@ def split_batch(batch: Any, batch_fn: BatchFn | None = None) -> Batch:
         f"cannot read a batch of type {type(batch).__name__}; yield a tensor, (x, y), a mapping "
         "with 'labels', or pass batch_fn=... returning (inputs, labels)"
     )
+
+
+#: keys of a mapping batch whose single input is an image tensor (🤗 datasets' image sets,
+#: torchvision-style dicts): passed to the model positionally, ``model(x)``
+IMAGE_KEYS = ("image", "img", "pixel_values")
+#: keys that usually hold labels under another name: a mapping with one of them and no
+#: ``labels``/``label`` is refused rather than passed to the model as a keyword argument
+LABEL_LIKE_KEYS = ("y", "target", "targets", "class", "label_id", "label_ids")
+
+
+def _mapping_help(keys: list[str]) -> str:
+    return (f"a mapping batch must hold its label under 'labels' or 'label' and its inputs "
+            f"either under one of {list(IMAGE_KEYS)} (an image tensor, passed as model(x)) or "
+            f"under the model's keyword argument names (e.g. 'input_ids', 'attention_mask'); "
+            f"this one holds {keys}. Say how to split it with batch_fn=..., e.g. "
+            f"batch_fn=lambda b: (b[{keys[0]!r}], b[{keys[-1]!r}])")
+
+
+def _mapping_batch(batch: Mapping) -> Batch:
+    """The :class:`Batch` of a mapping: the label under ``labels``/``label``; a single
+    input under an :data:`IMAGE_KEYS` key positional, anything else keyword arguments."""
+    inputs = dict(batch)
+    labels = None
+    for key in LABEL_KEYS:
+        if key in inputs:
+            labels = inputs.pop(key)
+            break
+    if not inputs:
+        raise BayesifyError(f"the batch mapping holds only labels ({sorted(batch)}); "
+                            "no model inputs are left")
+    keys = [str(k) for k in batch]
+    if labels is None and any(str(k).lower() in LABEL_LIKE_KEYS for k in inputs):
+        raise BayesifyError(_mapping_help(keys))
+    if len(inputs) == 1:
+        (key, value), = inputs.items()
+        if isinstance(key, str) and key in IMAGE_KEYS:
+            return Batch((value,), {}, _check_labels(labels))
+    return Batch((), inputs, _check_labels(labels))
+
+
+def check_keywords(model: Any, batch: Batch) -> None:
+    """Refuse a mapping batch whose keys the model's ``forward`` does not take (instead of
+    torch's ``forward() got an unexpected keyword argument``), naming the keys, what a
+    mapping must hold and a ``batch_fn=`` example."""
+    if not batch.kwargs:
+        return
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward if isinstance(model, nn.Module) else model).parameters
+    except (TypeError, ValueError):  # builtins, scripted modules: nothing to compare
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = [k for k in batch.kwargs if k not in params]
+    if unknown:
+        name = type(model).__name__
+        raise BayesifyError(f"{name}.forward() takes no argument {unknown[0]!r}: "
+                            + _mapping_help([*batch.kwargs, *([] if batch.labels is None
+                                                              else ["label"])]))
 
 
 def as_inputs(*args: Any, **kwargs: Any) -> Batch:

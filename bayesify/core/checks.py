@@ -21,6 +21,8 @@ __all__ = [
     "check_finite_logits",
     "check_labels",
     "check_nonempty",
+    "explain_shapes",
+    "input_shapes",
     "unusable",
 ]
 
@@ -154,3 +156,104 @@ def _floating_tensors(value: Any, name: str):
     elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         for i, item in enumerate(value):
             yield from _floating_tensors(item, f"{name}[{i}]")
+
+
+class _ShapeMismatch(Exception):
+    """Raised by a pre-hook of :func:`explain_shapes`; carries the user-facing message."""
+
+
+def input_shapes(inputs: Any) -> str:
+    """The user's input shape(s) as text: ``(8, 1, 32, 32)`` or ``{'input_ids': (8, 12)}``."""
+    if isinstance(inputs, torch.Tensor):
+        return str(tuple(inputs.shape))
+    args, kwargs = getattr(inputs, "args", ()), getattr(inputs, "kwargs", {})
+    shapes = [str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor)]
+    shapes += [f"{k}: {tuple(v.shape)}" for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    return shapes[0] if len(shapes) == 1 and not kwargs else "{" + ", ".join(shapes) + "}"
+
+
+def _shape_fix(layer: torch.nn.Module, x: torch.Tensor, seen_conv: bool) -> str | None:
+    """What is wrong with ``x`` as the input of the plain conv / linear ``layer`` and the
+    likely fix; None when it fits."""
+    from torch import nn
+
+    if isinstance(layer, nn.modules.conv._ConvNd):
+        spatial, channels = len(layer.kernel_size), layer.in_channels
+        if x.dim() == spatial + 1:
+            return (f"it expects a batch [B, {channels}, ...] but got a single example: add a "
+                    "batch dimension (x.unsqueeze(0), or pass a list of images stacked with "
+                    "torch.stack)")
+        if x.dim() != spatial + 2:
+            return (f"it expects {spatial + 2}-dimensional batches [B, {channels}, ...], got "
+                    f"{x.dim()} dimensions")
+        if x.shape[1] == channels:
+            return None
+        if spatial == 2 and x.shape[-1] == channels:
+            return (f"it expects channels first [B, {channels}, H, W]; this looks like channels "
+                    "last (HWC images): permute to channels-first with x.permute(0, 3, 1, 2)")
+        if x.shape[1] == 1 and channels == 3:
+            return ("it expects 3 channels (RGB) and got 1 (grayscale): repeat the channel with "
+                    "x.expand(-1, 3, -1, -1), or convert the images to RGB when loading them")
+        return f"it expects {channels} channels along axis 1, got {x.shape[1]}"
+    if isinstance(layer, nn.Linear):
+        features = layer.in_features
+        if x.dim() >= 1 and x.shape[-1] == features:
+            return None
+        got = x.shape[-1] if x.dim() else "a scalar"
+        if seen_conv:
+            return (f"it expects {features} features and got {got} from the layers before it: "
+                    "the images are not the size the network was built for; resize (or "
+                    "crop) them to the resolution it was trained at")
+        return f"it expects {features} features in the last axis, got {got}"
+    return None
+
+
+def explain_shapes(model: torch.nn.Module, run: Any, *, inputs: Any, where: str) -> None:
+    """Re-run ``run()`` (a forward of ``model`` on the user's untiled ``inputs``) with a check
+    before every convolution and linear layer; at the first layer whose input does not fit,
+    raise a :class:`BayesifyError` naming the layer, the user's input shape and the likely
+    fix (add a batch dimension, permute HWC to CHW, repeat a grey channel, resize). Returns
+    quietly when every layer's input fits (the failure lies elsewhere: the caller re-raises
+    its own error)."""
+    from torch import nn
+
+    from bayesify.core.layers import BayesianLayer
+
+    seen = {"conv": False}
+    handles = []
+
+    def checker(name: str, layer: nn.Module):
+        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0] if args else None
+            if not isinstance(x, torch.Tensor):
+                return
+            fix = _shape_fix(layer, x, seen["conv"])
+            if isinstance(layer, nn.modules.conv._ConvNd):
+                seen["conv"] = True
+            if fix is not None:
+                given, received = input_shapes(inputs), str(tuple(x.shape))
+                raise _ShapeMismatch(
+                    f"{where}: the input does not fit layer {name!r} ({type(layer).__name__}): "
+                    f"{fix}. Your input has shape {given}"
+                    + ("" if received == given else f"; the layer received {received}"))
+        return hook
+
+    wrapped = set()
+    for name, module in model.named_modules():
+        layer = module.base_layer if isinstance(module, BayesianLayer) else module
+        if isinstance(module, BayesianLayer):
+            wrapped.add(id(layer))
+        elif id(module) in wrapped:
+            continue  # the wrapper's hook checks it
+        if isinstance(layer, (nn.modules.conv._ConvNd, nn.Linear)):
+            handles.append(module.register_forward_pre_hook(checker(name, layer)))
+    try:
+        with torch.no_grad():
+            run()
+    except _ShapeMismatch as mismatch:
+        raise BayesifyError(str(mismatch)) from None
+    except Exception:  # noqa: BLE001 - not a shape the hooks can name: the caller's error stands
+        return
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -67,9 +67,10 @@ def _as_dataset(loader: Iterable) -> TensorDataset:
     if isinstance(dataset, TensorDataset):
         return dataset
     xs, ys = [], []
-    for batch in loader:
-        xs.append(batch[0])
-        ys.append(batch[1])
+    for raw in loader:  # (x, y) pairs or image mappings ({"image": x, "label": y})
+        batch = split_batch(raw)
+        xs.append(batch.args[0])
+        ys.append(batch.require_labels("report"))
     return TensorDataset(torch.cat(xs), torch.cat(ys))
 
 

@@ -16,6 +16,7 @@ import torch
 
 from bayesify import metrics
 from bayesify.core.batch import as_inputs, call_model, iter_batches, limited_batches
+from bayesify.core.checks import explain_shapes
 from bayesify.core.extensions import provide
 from bayesify.core.fitting import BatchSource
 from bayesify.core.outputs import logits_of
@@ -283,8 +284,48 @@ class EnsemblePredictor(BasePredictor):
                     inputs, samples_per_component=self.samples_per_component,
                     max_rows=self.max_rows, seed=self.seed,
                 )
+            except Exception:  # a shape mistake: the layer, the user's shape and the fix
+                self._explain_shapes(inputs)
+                raise
             finally:
                 self.bnn.train(was_training)
+
+    #: set by fit's own validation: SWAG's epochs before the last validate the current
+    #: iterate on purpose (the moments are built at the end)
+    during_fit: bool = False
+
+    def _explain_shapes(self, inputs: Any) -> None:
+        """After a failed forward: re-run the posterior mean on the untiled ``inputs`` with
+        a check before every conv / linear layer (:func:`explain_shapes`)."""
+        bnn = self.bnn
+        with bnn.deterministic():
+            explain_shapes(bnn.model, lambda: call_model(bnn.model, inputs), inputs=inputs,
+                           where="predictor")
+
+    def require_posterior(self, what: str) -> None:
+        """Refuse ``what`` on a family whose posterior only ``fit`` builds (Laplace's
+        curvature, SWAG's moments, snapshot ensembles) before it exists: the predictive
+        would be the pretrained network's with epistemic 0, and nothing would say so."""
+        bnn = self.bnn
+        if not self.during_fit and not bnn.method.step().ready(bnn):
+            raise BayesifyError(
+                f"{what}: method {bnn.method_name!r} builds its posterior in bayesify.fit, and "
+                "this model has none yet (its predictions would be the pretrained network's, "
+                "with epistemic uncertainty 0). Run bayesify.fit(bnn, train_loader) first, or "
+                "load a saved one with bayesify.load_posterior(base_model, directory)")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Prediction:
+        self.require_posterior("predictor(x)")
+        return super().__call__(*args, **kwargs)
+
+    def evaluate(self, loader: Iterable, ood_loader: Iterable | None = None,
+                 **kwargs: Any) -> dict[str, Any]:
+        self.require_posterior("predictor.evaluate")
+        return super().evaluate(loader, ood_loader, **kwargs)
+
+    def calibrate(self, val_loader: Iterable, method: str = "temperature", **kwargs: Any) -> Any:
+        self.require_posterior("predictor.calibrate")
+        return super().calibrate(val_loader, method=method, **kwargs)
 
     def export_members(self, example: Any) -> torch.nn.Module:
         """The family's frozen members (``Method.export_module``) in eval mode."""

@@ -1,4 +1,13 @@
-"""``fit(epochs=None)``'s step budget: whole epochs until a number of optimiser steps.
+"""``fit(epochs=None)``'s budget: whole epochs until a number of forward passes.
+
+A training step of a family that tiles every example R times (iBNN: S repeats, a deep
+ensemble: K members) costs R forward and backward passes per example, so a budget in
+optimiser steps costs R times more on one family than another, and more with a larger
+batch. The default budget counts **forward passes of one example** instead:
+:data:`DEFAULT_FORWARDS` (8,192), i.e. whole epochs until ``epochs · N_train · R`` reaches
+it — 14 epochs of 300 images for iBNN (R = 2), one epoch of anything larger than 8,192
+examples. ``min_steps=`` (or ``$BAYESIFY_MIN_STEPS``) asks for the older budget in optimiser
+steps instead; ``epochs=N`` trains exactly N.
 
 Every entry point (``bayesify.fit``, ``bayesify fit``, ``bayesify demo``, the ImageNet
 example) leaves ``epochs`` to this budget unless given, and says so with
@@ -10,6 +19,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import Any
+
+import torch
 
 from bayesify.errors import BayesifyError
 
@@ -30,11 +42,48 @@ def default_min_steps() -> int:
     return int(value)
 
 
+#: the budget of ``fit(epochs=None)``: whole epochs until this many forward passes of one
+#: training example (an example tiled to R rows costs R); on a 2-core CPU an
+#: EfficientNet-Lite0 at 64 px trains ~30–50 such passes a second (benchmarks/RESULTS.md)
+DEFAULT_FORWARDS = 8192
+
 #: the ``--epochs`` help of every entry point (CLI fit and demo, the ImageNet example):
-#: they all leave ``epochs`` to :func:`fit`'s step budget unless given
+#: they all leave ``epochs`` to :func:`fit`'s budget unless given
 EPOCHS_HELP = (f"posterior fine-tuning epochs (default: enough epochs for at least "
-               f"{DEFAULT_MIN_STEPS} optimiser steps, bayesify.fit's budget; Laplace makes "
-               "one pass)")
+               f"{DEFAULT_FORWARDS} forward passes of one training example, bayesify.fit's "
+               "budget, at least one epoch; Laplace makes one pass)")
+
+
+def rows_per_example(step: Any) -> int:
+    """R: rows one training example becomes in the family's step (its batch layout's
+    rows for a batch of one; 1 for a step without a layout)."""
+    layout = getattr(step, "layout", None)
+    if layout is None or not hasattr(layout, "components"):
+        return 1
+    try:
+        return max(1, int(layout.components(1, torch.device("cpu")).numel()))
+    except Exception:  # noqa: BLE001 - a layout that needs more than a size: count one row
+        return 1
+
+
+def default_epochs(*, batches_per_epoch: int, grad_accum_steps: int, n_train: int, step: Any,
+                   min_steps: int | None) -> tuple[int, str]:
+    """``fit(epochs=None)``'s epochs and the sentence that logs them: the forward-pass
+    budget (:data:`DEFAULT_FORWARDS`), or whole epochs until ``min_steps`` optimiser steps
+    when ``min_steps`` (or ``$BAYESIFY_MIN_STEPS``) is given."""
+    if min_steps is not None or os.environ.get("BAYESIFY_MIN_STEPS") is not None:
+        budget = default_min_steps() if min_steps is None else min_steps
+        epochs = budget_epochs(batches_per_epoch, grad_accum_steps, budget)
+        return epochs, (f"fit(epochs=None): {epochs} epoch(s) of {batches_per_epoch} batch(es) "
+                        f"for a budget of {budget} optimiser steps (min_steps / "
+                        "$BAYESIFY_MIN_STEPS)")
+    rows = rows_per_example(step)
+    if batches_per_epoch <= 0 or n_train <= 0:
+        return 1, "fit(epochs=None): the training loader has no length: one epoch"
+    epochs = max(1, math.ceil(DEFAULT_FORWARDS / (n_train * rows)))
+    return epochs, (f"fit(epochs=None): {epochs} epoch(s) of {n_train} examples × {rows} "
+                    f"row(s) each = {epochs * n_train * rows} forward passes, for a budget of "
+                    f"{DEFAULT_FORWARDS} (epochs=N fixes it; min_steps= counts optimiser steps)")
 
 
 def budget_epochs(batches_per_epoch: int, grad_accum_steps: int, min_steps: int) -> int:

@@ -32,7 +32,8 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from bayesify.core.batch import Batch, BatchFn, iter_batches, limited_batches
+from bayesify.core.batch import Batch, BatchFn, iter_batches, limited_batches, split_batch
+from bayesify.errors import BayesifyError
 from bayesify.train.distributed import DistContext
 
 
@@ -265,3 +266,27 @@ def shard_batches(loader: Iterable, ctx: DistContext, *, device: torch.device,
     if fraction is None:
         return iter_batches(shard, device=device, batch_fn=batch_fn)
     return limited_batches(shard, fraction=fraction, device=device, batch_fn=batch_fn)
+
+
+def training_set_size(loader: Iterable, *, batch_fn: BatchFn | None = None) -> int:
+    """N_train: ``len(loader.dataset)``; a loader without a ``dataset`` (a list of batches, a
+    generator) is refused with what N_train is for and how to pass it — after the checks
+    every loader gets first (readable batches with labels), for a list or tuple of batches."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None:
+        return len(dataset)
+    count = ""
+    if isinstance(loader, (list, tuple)):  # re-iterable: the basic checks first
+        if not loader:
+            raise BayesifyError("fit: the training loader holds no batches")
+        batches = [split_batch(b, batch_fn) for b in loader]
+        for batch in batches:
+            batch.require_labels("fit")
+        total = sum(b.size for b in batches)
+        count = f" (this {type(loader).__name__} of batches holds {total} examples: n_train={total})"
+    raise BayesifyError(
+        "fit needs N_train, the number of training examples, to weigh the posterior's KL term "
+        "per example (loss = NLL + β·KL / N_train; a wrong N_train over- or under-regularises "
+        f"the posterior), but a {type(loader).__name__} has no .dataset to count: pass "
+        f"fit(..., n_train=N){count}, or give fit a torch DataLoader"
+    )

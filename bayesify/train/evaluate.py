@@ -44,7 +44,11 @@ def evaluate_sharded(
     """
     from bayesify.core.model import BayesianModel
 
-    predictor = bnn.predictor(samples_per_component) if isinstance(bnn, BayesianModel) else bnn
+    if isinstance(bnn, BayesianModel):
+        predictor = bnn.predictor(samples_per_component)
+        predictor.during_fit = True  # a posterior fit is building may be validated
+    else:
+        predictor = bnn
     ctx = ctx or DistContext(device=predictor.device)
     stats = per_example_stats(predictor, shard_loader(loader, ctx), device=predictor.device,
                               amp=amp, channels_last=channels_last, batch_fn=batch_fn,

@@ -39,19 +39,23 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from bayesify.core.batch import BatchFn, call_model
-from bayesify.core.checks import check_finite_batch, check_labels
+from bayesify.core.checks import check_finite_batch, check_labels, explain_shapes
 from bayesify.core.outputs import check_not_probabilities, logits_of
 from bayesify.errors import BayesifyError, NonFiniteLossError
 from bayesify.train import evaluate as evaluation
 from bayesify.train import resume as ckpt
+from bayesify.train.best import BestState
 from bayesify.train.budget import (  # noqa: F401 - re-exported
+    DEFAULT_FORWARDS,
     DEFAULT_MIN_STEPS,
     EPOCHS_HELP,
     budget_epochs,
+    default_epochs,
     default_min_steps,
 )
+from bayesify.train.clock import FitClock
 from bayesify.train.context import TrainContext, TrainState
-from bayesify.train.data import TrainData
+from bayesify.train.data import TrainData, training_set_size
 from bayesify.train.distributed import (
     DistContext,
     agree_on_job,
@@ -70,7 +74,6 @@ from bayesify.train.hooks import (
     HistoryLog,
     as_callback,
     starting_metrics,
-    warn_if_worse,
 )
 from bayesify.train.options import validate_fit_options
 from bayesify.train.schedules import parse_schedule
@@ -141,7 +144,7 @@ def fit(
     keep_checkpoints: int = 2,
     resume: str | Path | None = None,
     callbacks: Sequence[Any] = (),
-    val_every: int = 1,
+    val_every: int | None = None,
     val_samples_per_component: int | None = None,
     find_unused_parameters: bool = False,
     timeout_s: float | None = None,
@@ -150,11 +153,12 @@ def fit(
     """Fit the posterior of ``bnn`` on ``train_loader`` (one epoch driver for every family).
 
     ``epochs=None`` (the default) trains as many whole epochs as it takes to reach
-    ``min_steps`` optimiser steps (default :data:`DEFAULT_MIN_STEPS`, 300; at least one
-    epoch): a budget that trains the posterior
-    properly on 200 examples (7 steps per epoch at batch 32: 43 epochs) and costs one
-    epoch on ImageNet (5,000 steps at batch 256). Post-hoc families (Laplace) make one
-    pass whatever the budget.
+    :data:`DEFAULT_FORWARDS` (8,192) forward passes of one training example, an example
+    tiled to R rows by the family costing R (:mod:`bayesify.train.budget`; at least one
+    epoch): 14 epochs of 300 images for iBNN, one epoch of ImageNet; ``min_steps=N`` asks
+    for whole epochs until N optimiser steps instead. After the first steps ``fit`` logs
+    how long the whole fit will take (:mod:`bayesify.train.clock`). Post-hoc families
+    (Laplace) make one pass whatever the budget.
 
     The family's step (``bnn.method.step()``) runs every batch. ELBO families: loss
     per step = mean NLL over the tiled batch + β(t)·KL/N_train,
@@ -166,7 +170,10 @@ def fit(
     ``base_lr_schedule``: see :func:`bayesify.train.schedules.lr_factor`.
     ``shift_loader``: labelled inputs under the shift you expect; the validation search
     then uses them as its robustness signal instead of the library's perturbations.
-    ``val_loader``: validation metrics every ``val_every`` epochs and, for families
+    ``val_loader``: validation metrics after the last epoch, after earlier ones while that
+    costs under a quarter of the training time (or every ``val_every`` epochs when given),
+    the best validated state kept when the last is clearly worse than the starting
+    network (:mod:`bayesify.train.best`) and, for families
     with a predictive-scale knob, the validation-tuned choice of it at the end (the
     knob search, :mod:`bayesify.train.tuning`; ``bayesify.tune`` runs it on its own).
     ``batch_fn``: how to split a batch the loader yields (see
@@ -258,15 +265,21 @@ def fit(
                 if knob.initial is not None:
                     knob.set(knob.initial)
             step.begin(state)
+        started = time.perf_counter()
         start = (starting_metrics(bnn, val_loader, ctx, batch_fn=batch_fn, amp=state.amp,
                                   progress=progress)
                  if val_loader is not None and payload is None else None)
+        clock = FitClock(state, start_seconds=time.perf_counter() - started if start else None,
+                         val_every=val_every, samples_per_component=val_samples_per_component)
+        best = BestState(state, start, fresh=payload is None, batch_fn=batch_fn,
+                         samples_per_component=val_samples_per_component)
         if step.optimizes:
             _forward(state, compile=compile, find_unused_parameters=find_unused_parameters)
         result = FitResult(history=state.history)
         watch = FitWatch(state, fresh=payload is None)
         log = HistoryLog(log_dir, ctx)
-        hooks = [as_callback(c) for c in callbacks]
+        hooks = [as_callback(c) for c in callbacks] + ([as_callback(clock)] if step.optimizes
+                                                        else [])
         while state.epoch < state.epochs:
             # a statistics pass (no optimiser) that fails half-way leaves no half-accumulated
             # state behind: its buffers are put back (gradient steps have the step guard)
@@ -278,13 +291,17 @@ def fit(
                     record.update(step.end(state))
                     if val_loader is not None:
                         record.update(state.tune(method.knobs(bnn)))
-            if val_loader is not None and ((state.epoch + 1) % max(val_every, 1) == 0 or is_last):
+            if val_loader is not None and clock.should_validate(record, epoch=state.epoch,
+                                                                is_last=is_last):
+                began = time.perf_counter()
                 metrics = evaluation.evaluate_sharded(bnn, val_loader, ctx,
                                            samples_per_component=val_samples_per_component,
                                            amp=state.amp, channels_last=channels_last,
                                            batch_fn=batch_fn, progress=progress,
                                            desc=f"validate epoch {state.epoch + 1}")
+                record["val_seconds"] = clock.validated(time.perf_counter() - began)
                 record.update({f"val_{k}": v for k, v in metrics.items() if isinstance(v, float)})
+                best.see(record, is_last=is_last)
             state.history.append(record)
             state.epoch, state.step, state.totals = state.epoch + 1, 0, {}
             if run.directory is not None:
@@ -293,10 +310,11 @@ def fit(
             for hook in hooks:
                 hook.on_epoch_end(state, record)
         bnn.eval()
+        watch.finish(state, method.name)  # about the trajectory, before a state is restored
         if start is not None and state.history:
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
-            warn_if_worse(method.name, start, state.history[-1], refused=tuple(step.refused))
-        watch.finish(state, method.name)
+            # never worse than the start
+            best.finish(state.history[-1], method.name, refused=tuple(step.refused))
         return result
 
 
@@ -308,7 +326,7 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
     """Optimiser, schedules, seeded sharded data and noise stream of a gradient step;
     returns the fit options a checkpoint must match."""
     bnn, ctx = state.bnn, state.ctx
-    n_train = n_train or _dataset_size(train_loader)
+    n_train = n_train or _dataset_size(train_loader, state.batch_fn)
     lr_schedule, base_lr_schedule = parse_schedule(lr_schedule), parse_schedule(base_lr_schedule)
     opt = build_optimizer(bnn, lr=lr, base_lr=base_lr, optimizer=optimizer, momentum=momentum,
                           weight_decay=weight_decay, base_weight_decay=base_weight_decay,
@@ -327,12 +345,11 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
     state.data = TrainData(train_loader, ctx=ctx, seed=seed, seeded=seeded)
     state.steps_per_epoch = state.data.batches_per_epoch
     if state.epochs is None:
-        budget = default_min_steps() if min_steps is None else min_steps
-        state.epochs = budget_epochs(state.steps_per_epoch, state.grad_accum_steps, budget)
+        state.epochs, plan = default_epochs(
+            batches_per_epoch=state.steps_per_epoch, grad_accum_steps=state.grad_accum_steps,
+            n_train=n_train, step=state.family, min_steps=min_steps)
         if ctx.is_main:
-            logger.info("fit(epochs=None): %d epoch(s) of %d batch(es) for a budget of %d "
-                        "optimiser steps (min_steps / $BAYESIFY_MIN_STEPS)", state.epochs,
-                        state.steps_per_epoch, budget)
+            logger.info("%s", plan)
     state.noise_generator = torch.Generator(device=ctx.device)
     state.noise_generator.manual_seed(rank_seed(seed, ctx.rank))
     if state.channels_last:
@@ -480,16 +497,19 @@ def _num_classes(bnn: BayesianModel, batch: Any) -> int:
     bnn.eval()
     try:
         with bnn.deterministic():
-            logits = logits_of(call_model(bnn.model, batch.rows(slice(0, 4)).model_input()))
+            inputs = batch.rows(slice(0, 4)).model_input()
+            try:
+                logits = logits_of(call_model(bnn.model, inputs))
+            except Exception:  # a shape mistake is named with the layer and the user's shape
+                explain_shapes(bnn.model, lambda: call_model(bnn.model, inputs),
+                               inputs=batch.model_input(), where="fit")
+                raise
             check_not_probabilities(logits, where="fit")
             return int(logits.shape[-1])
     finally:
         bnn.train(was_training)
 
 
-def _dataset_size(loader: Iterable) -> int:
-    dataset = getattr(loader, "dataset", None)
-    if dataset is None:
-        raise BayesifyError("cannot infer N_train from the loader; pass n_train=...")
-    return len(dataset)
+def _dataset_size(loader: Iterable, batch_fn: BatchFn | None = None) -> int:
+    return training_set_size(loader, batch_fn=batch_fn)
 

@@ -174,7 +174,7 @@ FIT_OPTION_RULES: dict[str, Callable[[str, Any], None]] = {
     "keep_checkpoints": count(0),
     "resume": optional(path_like),
     "callbacks": callback_list,
-    "val_every": count(1),
+    "val_every": optional(count(1)),
     "val_samples_per_component": optional(count(1)),
     "shift_loader": lambda name, value: None,  # any labelled loader (checked when read)
     "find_unused_parameters": flag,

@@ -12,7 +12,8 @@ every candidate twice:
 * **shifted**: the per-example NLL on shifted copies of the same inputs — the user's
   ``shift_loader`` when given, else the library's perturbations
   (:mod:`bayesify.train.shift`: noise, masking and mixing at the strength that halves the
-  starting network's accuracy above chance).
+  starting network's accuracy above chance), each kind on every third example in turn
+  (:func:`interleaved`: one shifted pass per candidate, not one per kind).
 
 Among feasible (knob value, temperature) pairs the one with the lowest shifted NLL is
 chosen (:func:`bayesify.core.selection.choose_joint`); ties go to the broadest posterior
@@ -116,6 +117,28 @@ def _nll_by_temperature(log_probs_at: Callable[[float], torch.Tensor],
     return torch.stack(rows).double().cpu()
 
 
+def interleaved(copies: list[Batch]) -> Batch:
+    """One batch whose row ``r`` is row ``r`` of ``copies[r % len(copies)]``: every kind of
+    perturbation on a third of the examples (in turn), so a candidate costs one shifted
+    pass instead of one per kind; the mean over the split estimates the mean over kinds,
+    and every candidate sees the same rows under the same perturbations (paired)."""
+    if len(copies) == 1:
+        return copies[0]
+    rows = copies[0].size
+    kind = torch.arange(rows) % len(copies)
+
+    def pick(values: list[Any]) -> Any:
+        first = values[0]
+        if not (isinstance(first, torch.Tensor) and first.dim() > 0 and first.shape[0] == rows):
+            return first
+        stacked = torch.stack(values)  # [kinds, B, ...]
+        return stacked[kind.to(first.device), torch.arange(rows, device=first.device)]
+
+    args = tuple(pick([c.args[i] for c in copies]) for i in range(len(copies[0].args)))
+    kwargs = {k: pick([c.kwargs[k] for c in copies]) for k in copies[0].kwargs}
+    return Batch(args, kwargs, copies[0].labels)
+
+
 @torch.no_grad()
 def candidate_nll(bnn: BayesianModel, batches: Batches, ctx: DistContext,
                   shift: ShiftSignal | None,
@@ -133,8 +156,7 @@ def candidate_nll(bnn: BayesianModel, batches: Batches, ctx: DistContext,
     for index, batch in enumerate(batches()):
         clean.append(nll_of(batch))
         if shift is not None and shift_batches is None and shift.levels:
-            copies = [nll_of(copy) for copy in shift.copies(batch, index)]
-            shifted.append(torch.stack(copies).mean(0))
+            shifted.append(nll_of(interleaved(shift.copies(batch, index))))
     if shift_batches is not None:
         shifted = [nll_of(batch) for batch in shift_batches()]
     return _gather(clean, ctx), (_gather(shifted, ctx) if shifted or shift_batches else None)

@@ -130,6 +130,10 @@ class SnapshotEnsembleStep(SnapshotStep):
         super().__init__(ActiveMember(), defaults={"lr": 0.01})
         self.components = components
 
+    def ready(self, bnn: BayesianModel) -> bool:
+        """The snapshots exist once ``fit`` has taken them (the cycle length is set then)."""
+        return float(bnn.state.value("snapshot_cycle")) > 0
+
     def begin(self, ctx: FitContext) -> None:
         cycle = ctx.epochs * ctx.steps_per_epoch / self.components
         if cycle < 1:

@@ -1,0 +1,149 @@
+"""Never worse than the start: the best validated state a fit hands back.
+
+A fit with a ``val_loader`` validates the network it starts from (the base, through
+:func:`~bayesify.train.hooks.starting_metrics`) and its posterior at the end of validated
+epochs. When the last validation is *clearly worse* than the start (:func:`clearly_worse`:
+NLL more than 10 % higher, or accuracy more than one point lower with an NLL no better),
+the fit does not hand that
+state back: of the last state, the best earlier validated epoch and the state it began with
+(validated then, only in this case), it keeps the one with the lowest validation NLL, logs
+which, and marks the last history record::
+
+    {"kept": "last" | "epoch 3" | "start", "kept_val_nll": ..., "kept_val_accuracy": ...,
+     "worse_than_start": bool}
+
+``worse_than_start`` is true when even the kept state is clearly worse than the starting
+network: ``bayesify fit`` and ``examples/finetune_imagenet.py`` then exit non-zero, and
+``bayesify calibrate`` refuses the run (a temperature would only hide the collapse).
+
+States are restored only for families whose optimiser steps train the posterior itself
+(``Step.trains_posterior``: the ELBO families); SGD-snapshot families (SWAG, snapshot
+ensembles) build their posterior from the whole trajectory, so they are marked and warned
+about, never rewound. A fresh fit only (a resumed one did not see its start).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bayesify.train import evaluate as evaluation
+from bayesify.train.hooks import worse_advice
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
+
+logger = logging.getLogger(__name__)
+
+#: how much worse than the start counts as "clearly": one accuracy point, 10 % NLL
+ACCURACY_MARGIN = 0.01
+NLL_FACTOR = 1.1
+
+
+def clearly_worse(start: dict[str, float], metrics: dict[str, Any], *,
+                  prefix: str = "val_") -> list[str]:
+    """What makes ``metrics`` (``val_accuracy``, ``val_nll``) clearly worse than ``start``
+    (``accuracy``, ``nll``), as readable comparisons; empty when it is not."""
+    acc, nll = metrics.get(f"{prefix}accuracy"), metrics.get(f"{prefix}nll")
+    if acc is None or nll is None or "accuracy" not in start or "nll" not in start:
+        return []
+    worse = []
+    nll_worse = not math.isfinite(nll) or nll > start["nll"] * NLL_FACTOR + 1e-3
+    # a lower accuracy with a better NLL is what a few validation examples near the
+    # decision boundary give (1 of 3 images flipped): worse only when the NLL is not better
+    if acc < start["accuracy"] - ACCURACY_MARGIN and (nll_worse or nll >= start["nll"]):
+        worse.append(f"accuracy {acc:.4f} < {start['accuracy']:.4f}")
+    if nll_worse:
+        worse.append(f"NLL {nll:.4f} > {start['nll']:.4f}")
+    return worse
+
+
+def _snapshot(bnn: BayesianModel) -> dict[str, torch.Tensor]:
+    """Copies of every tensor a fit can change (trainable parameters and all buffers)."""
+    frozen = {name for name, p in bnn.named_parameters() if not p.requires_grad}
+    return {k: v.detach().clone() for k, v in bnn.state_dict().items() if k not in frozen}
+
+
+class BestState:
+    """Tracks the best validated state of one fresh fit and hands it back at the end (see
+    the module docstring)."""
+
+    def __init__(self, state: Any, start: dict[str, float] | None, *, fresh: bool,
+                 batch_fn: Any = None, samples_per_component: int | None = None) -> None:
+        step = state.family
+        self.state, self.start = state, start
+        self.active = bool(start) and fresh and state.val_loader is not None
+        self.restores = self.active and getattr(step, "trains_posterior", False)
+        self.batch_fn, self.samples = batch_fn, samples_per_component
+        self.initial = _snapshot(state.bnn) if self.restores else None
+        self.best: dict[str, torch.Tensor] | None = None
+        self.best_metrics: dict[str, float] = {}
+        self.best_epoch = 0
+
+    def see(self, record: dict[str, Any], *, is_last: bool) -> None:
+        """After a validated epoch: keep its state when its validation NLL is the best yet
+        (not the last epoch's: that state is the one in the model at the end)."""
+        nll = record.get("val_nll")
+        if not self.restores or is_last or nll is None or not math.isfinite(nll):
+            return
+        if not self.best_metrics or nll < self.best_metrics["val_nll"]:
+            self.best = _snapshot(self.state.bnn)
+            self.best_metrics = {"val_nll": nll, "val_accuracy": record.get("val_accuracy", 0.0)}
+            self.best_epoch = int(record["epoch"])
+
+    def finish(self, last: dict[str, Any], family: str, *, refused: tuple[str, ...] = ()) -> None:
+        """At the end of the fit: keep the last state unless it is clearly worse than the
+        start; then the best of (last, best earlier epoch, the beginning); mark ``last``."""
+        if not self.active or "val_nll" not in last:
+            return
+        start, ctx = self.start or {}, self.state.ctx
+        kept, metrics = "last", {"val_nll": last["val_nll"],
+                                 "val_accuracy": last.get("val_accuracy", 0.0)}
+        worse = clearly_worse(start, last)
+        if worse and self.restores:
+            candidates = [("last", metrics, None)]
+            if self.best is not None:
+                candidates.append((f"epoch {self.best_epoch}", self.best_metrics, self.best))
+            if self.initial is not None:
+                candidates.append(("start", self._validate(self.initial), self.initial))
+            kept, metrics, tensors = min(candidates, key=lambda c: c[1]["val_nll"])
+            if tensors is not None:
+                self.state.bnn.load_state_dict(tensors, strict=False)
+            self.state.bnn.eval()
+        still = clearly_worse(start, metrics)
+        last.update({"kept": kept, "kept_val_nll": metrics["val_nll"],
+                     "kept_val_accuracy": metrics["val_accuracy"],
+                     "worse_than_start": bool(still)})
+        self.initial = self.best = None
+        if not ctx.is_main or not worse:
+            return
+        ended = " and ".join(worse)
+        if kept != "last":
+            logger.warning("fit of %r: the last state had validation %s of the starting network; "
+                           "the fit keeps the state of %s instead (validation accuracy %.4f, "
+                           "NLL %.4f)", family, ended, kept, metrics["val_accuracy"],
+                           metrics["val_nll"])
+        if still:
+            warnings.warn(
+                f"fit of {family!r} ended with validation {' and '.join(still)} of the starting "
+                f"network (kept: {kept}); the posterior is worse than the network it came from; "
+                + worse_advice(family, refused), stacklevel=3)
+
+    def _validate(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Validation metrics of ``tensors`` loaded into the model (the current state is
+        put back afterwards)."""
+        bnn = self.state.bnn
+        current = _snapshot(bnn)
+        bnn.load_state_dict(tensors, strict=False)
+        try:
+            metrics = evaluation.evaluate_sharded(
+                bnn, self.state.val_loader, self.state.ctx, samples_per_component=self.samples,
+                amp=self.state.amp, batch_fn=self.batch_fn, progress=self.state.show_progress,
+                desc="validate the starting posterior")
+        finally:
+            bnn.load_state_dict(current, strict=False)
+        return {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}

@@ -1,0 +1,131 @@
+"""A default fit says how long it will take before a tenth is done, its budget is counted in
+forward passes (not optimiser steps of a tiled batch), and validation between epochs runs
+only while it is cheap (issue 37, item 5)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bayesify import bayesify, fit
+from bayesify.train.budget import DEFAULT_FORWARDS, default_epochs, rows_per_example
+from bayesify.train.clock import FitClock
+
+
+def loader(n: int, batch: int = 10, seed: int = 0) -> DataLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=batch)
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+
+
+def test_budget_counts_forward_passes_of_the_familys_rows(monkeypatch):
+    monkeypatch.delenv("BAYESIFY_MIN_STEPS", raising=False)
+    ibnn = bayesify(net(), "ibnn")  # S = 2 repeats per example
+    ens = bayesify(net(), "ensemble", components=4)  # every member sees every example
+    assert rows_per_example(ibnn.method.step()) == 2
+    assert rows_per_example(ens.method.step()) == 4
+    kw = {"batches_per_epoch": 10, "grad_accum_steps": 1, "min_steps": None}
+    ibnn_epochs, plan = default_epochs(n_train=300, step=ibnn.method.step(), **kw)
+    ens_epochs, _ = default_epochs(n_train=300, step=ens.method.step(), **kw)
+    # whole epochs until the budget of forward passes: the same cost for both families
+    assert ibnn_epochs == -(-DEFAULT_FORWARDS // 600) and ens_epochs == -(-DEFAULT_FORWARDS // 1200)
+    assert (ibnn_epochs - 1) * 600 < DEFAULT_FORWARDS <= ibnn_epochs * 600
+    assert "forward passes" in plan
+    # a data set larger than the budget: one epoch; min_steps= keeps the step budget
+    assert default_epochs(n_train=10**6, step=ibnn.method.step(), **kw)[0] == 1
+    assert default_epochs(n_train=300, step=ibnn.method.step(), batches_per_epoch=10,
+                          grad_accum_steps=1, min_steps=35)[0] == 4
+
+
+class Steps:
+    """A user callback: the optimiser step the fit is at (called before the clock)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def on_step_end(self, state, terms) -> None:
+        self.step = state.global_step
+
+
+def test_the_expected_duration_is_logged_before_a_tenth_is_done(caplog):
+    steps = Steps()
+    bnn = bayesify(net(), "ibnn", components=2, predict_samples=1)
+    seen: list[int] = []
+
+    class Spy(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("fit: about"):
+                seen.append(steps.step)
+
+    spy = Spy()
+    logging.getLogger("bayesify.train.clock").addHandler(spy)
+    try:
+        with caplog.at_level(logging.INFO, logger="bayesify"):
+            result = fit(bnn, loader(100), val_loader=loader(20), epochs=4, progress=False,
+                         callbacks=[steps])
+    finally:
+        logging.getLogger("bayesify.train.clock").removeHandler(spy)
+    total = sum(h["steps"] for h in result.history)
+    assert total == 40 and len(seen) == 1 and 2 <= seen[0] <= total / 10
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("fit: about"))
+    assert "40 optimiser steps" in line and "of validation" in line
+    assert result[0]["expected_seconds"] > 0
+
+
+def test_validation_between_epochs_only_while_cheap():
+    big_val = loader(400, batch=400, seed=1)  # validation dearer than 2 tiny steps
+    options = {"components": 2, "predict_samples": 1}
+    bnn = bayesify(net(), "ibnn", **options)
+    auto = fit(bnn, loader(20), val_loader=big_val, epochs=3, progress=False)
+    assert ["val_nll" in h for h in auto.history] == [False, False, True]  # the last always
+    bnn = bayesify(net(), "ibnn", **options)
+    every = fit(bnn, loader(20), val_loader=big_val, epochs=3, val_every=1, progress=False)
+    assert all("val_nll" in h for h in every.history)
+
+
+def test_a_cheap_validation_runs_every_epoch():
+    clock = FitClock.__new__(FitClock)
+    clock.val_every, clock.train_seconds, clock.val_seconds = None, 0.0, 0.0
+    clock.val_estimate = 1.0
+
+    class Ctx:
+        distributed = False
+
+    clock.state = type("S", (), {"ctx": Ctx()})()
+    assert clock.should_validate({"seconds": 10.0}, epoch=0, is_last=False)  # 1 s ≤ 25 % of 10
+    clock.validated(1.0)
+    assert clock.should_validate({"seconds": 10.0}, epoch=1, is_last=False)  # 2 ≤ 5
+    clock.validated(4.0)
+    assert not clock.should_validate({"seconds": 1.0}, epoch=2, is_last=False)  # 9 > 5.25
+    assert clock.should_validate({"seconds": 1.0}, epoch=3, is_last=True)
+
+
+@pytest.mark.parametrize("val_every", [0, 1.5, True])
+def test_val_every_is_still_checked(val_every):
+    from bayesify.errors import BayesifyError
+
+    with pytest.raises((BayesifyError, TypeError), match="val_every"):
+        fit(bayesify(net(), "ibnn"), loader(20), val_every=val_every, progress=False)
+
+
+def test_the_search_scores_each_perturbation_on_every_third_example():
+    from bayesify.core.batch import Batch
+    from bayesify.train.tuning import interleaved
+
+    x = torch.arange(7.0)[:, None].repeat(1, 3)
+    mask = torch.ones(7, 3, dtype=torch.long)
+    copies = [Batch((x + 100 * k,), {"mask": mask * k}, torch.arange(7)) for k in range(3)]
+    mixed = interleaved(copies)
+    for r in range(7):
+        assert torch.equal(mixed.args[0][r], copies[r % 3].args[0][r])
+        assert torch.equal(mixed.kwargs["mask"][r], copies[r % 3].kwargs["mask"][r])
+    assert torch.equal(mixed.labels, torch.arange(7))

@@ -1,0 +1,112 @@
+"""A fit never hands back something clearly worse on validation than what it started from
+(issue 37, item 7; DESIGN.md §11): the best validated state, the start included, is kept
+and said; the CLI exits non-zero and ``bayesify calibrate`` refuses when even that is worse."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bayesify import bayesify, fit
+from bayesify.train.best import clearly_worse
+
+
+@pytest.fixture(scope="module")
+def pretrained():
+    torch.manual_seed(0)
+    x = torch.randn(200, 4)
+    y = (x[:, 0] > 0).long()
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    for _ in range(200):  # near-perfect on this split
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return net.eval(), DataLoader(TensorDataset(x, y), batch_size=50)
+
+
+def test_a_destructive_fit_hands_back_the_start(pretrained, caplog):
+    net, data = pretrained
+    bnn = bayesify(net, "ibnn", init_mean_std=0.0)
+    initial = {k: v.clone() for k, v in bnn.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with caplog.at_level("WARNING", logger="bayesify.train.best"):
+            result = fit(bnn, data, val_loader=data, lr=5.0, epochs=3, progress=False, seed=0)
+    last = result.last
+    # the lr destroyed the network: the last validation is far worse than the start ...
+    assert clearly_worse({"accuracy": last["start_val_accuracy"] if "start_val_accuracy" in last
+                          else result[0]["start_val_accuracy"],
+                          "nll": result[0]["start_val_nll"]}, last)
+    # ... so the fit kept the state it began with, bit for bit, and said so
+    assert last["kept"] == "start" and last["worse_than_start"] is False
+    after = bnn.state_dict()
+    for key, value in initial.items():
+        assert torch.equal(after[key], value), key
+    assert "keeps the state of start" in caplog.text
+    metrics = bnn.predictor().evaluate(data, progress=False)
+    assert metrics["nll"] == pytest.approx(last["kept_val_nll"], rel=1e-5)
+    assert metrics["accuracy"] >= result[0]["start_val_accuracy"] - 0.01
+
+
+def test_a_good_fit_keeps_its_last_state(pretrained):
+    net, data = pretrained
+    bnn = bayesify(net, "ibnn", init_mean_std=0.0)
+    result = fit(bnn, data, val_loader=data, lr=0.01, epochs=2, progress=False, seed=0)
+    assert result.last["kept"] == "last" and result.last["worse_than_start"] is False
+
+
+FAST = ["--no-progress", "--option", "components=2", "--option", "predict_samples=1"]
+
+
+def test_exit_code_and_calibrate_refusal_follow_the_fits_outcome(tmp_path, capsys):
+    from bayesify.cli import exit_if_worse, fit_outcome, refuse_worse_run
+    from bayesify.errors import BayesifyError
+
+    history = [{"epoch": 1, "start_val_accuracy": 1.0, "start_val_nll": 0.03},
+               {"epoch": 2, "val_accuracy": 0.33, "val_nll": 1.1, "kept": "start",
+                "kept_val_accuracy": 0.5, "kept_val_nll": 0.9, "worse_than_start": True}]
+    assert exit_if_worse(history, tmp_path, "ibnn") == 3
+    err = capsys.readouterr().err
+    assert "accuracy 0.5000 vs 1.0000" in err and "`bayesify methods ibnn`" in err
+    (tmp_path / "run.json").write_text(json.dumps({"outcome": fit_outcome(history)}))
+    with pytest.raises(BayesifyError, match="calibrating it would hide that"):
+        refuse_worse_run(str(tmp_path))
+    history[-1]["worse_than_start"] = False
+    assert exit_if_worse(history, tmp_path, "ibnn") == 0
+    (tmp_path / "run.json").write_text(json.dumps({"outcome": fit_outcome(history)}))
+    refuse_worse_run(str(tmp_path))  # a run no worse than its start is calibrated
+
+
+@pytest.mark.slow
+def test_cli_exits_nonzero_and_calibrate_refuses_a_run_worse_than_its_start(tmp_path, capsys):
+    """`bayesify fit` on digits with component means far from 1 and an lr too small to bring
+    them back (even the start of the posterior is worse than the network): exit 3 with the
+    comparison; `bayesify calibrate` on that run refuses."""
+    from bayesify.cli import main
+
+    out = tmp_path / "run"
+    code = main(["fit", "--map-epochs", "1", "--epochs", "1", "--out", str(out), *FAST,
+                 "--option", "init_mean_std=3.0", "--lr", "1e-8"])
+    run = json.loads((out / "run.json").read_text())
+    assert run["outcome"]["worse_than_start"] is True and code == 3
+    assert "worse on validation than the network it started from" in capsys.readouterr().err
+    assert main(["calibrate", "--posterior", str(out), "--no-progress"]) == 2
+    assert "calibrating it would hide that" in capsys.readouterr().err
+    assert not (out / "calibration.json").exists()
+
+
+def test_clearly_worse_needs_more_than_a_flipped_example_with_a_better_nll():
+    start = {"accuracy": 1 / 3, "nll": 1.1395}
+    assert clearly_worse(start, {"val_accuracy": 0.0, "val_nll": 1.1054}) == []
+    assert clearly_worse(start, {"val_accuracy": 0.0, "val_nll": 1.2}) == [
+        "accuracy 0.0000 < 0.3333"]
+    assert clearly_worse({"accuracy": 1.0, "nll": 0.026},
+                         {"val_accuracy": 0.333, "val_nll": 1.097}) == [
+        "accuracy 0.3330 < 1.0000", "NLL 1.0970 > 0.0260"]
+    assert clearly_worse(start, {"val_accuracy": 0.34, "val_nll": float("nan")})
