@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{Path(file).name:>24}  {name:<28} epistemic {mi:.4f}")
     result = {"method": args.method, "data": str(root), "export": str(path),
               "max_abs_diff": info["max_abs_diff"], "temperature": float(predictor.temperature),
-              "calibration": {k: v for k, v in dict(calibration).items()
-                              if isinstance(v, (int, float, str))} if isinstance(
-                                  calibration, dict) else str(calibration),
+              "calibration": {k: getattr(calibration, k, None)
+                              for k in ("temperature", "nll_before", "nll_after", "ece_before",
+                                        "ece_after")},
               "val": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
               "predicted": names, "seconds": round(time.time() - start, 1)}
     (args.out / "metrics.json").write_text(json.dumps(result, indent=2))
@@ -126,5 +126,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("bayesify").setLevel(logging.INFO)  # the library's choices, not onnx's
     main()
