@@ -387,8 +387,8 @@ class StagedOutput:
 
 
 def progress_bar(loader: Any, desc: str, args: argparse.Namespace) -> Any:
-    """``loader`` with a progress bar (rank 0 only, not with --no-progress)."""
-    from tqdm.auto import tqdm
+    """``loader`` with a progress bar (rank 0 only, not with --no-progress; log lines off a
+    terminal)."""
+    from bayesify.progress import progress_bar as library_bar
 
-    return tqdm(loader, desc=desc, disable=not show_progress(args), leave=False,
-                dynamic_ncols=True)
+    return library_bar(loader, desc, enabled=show_progress(args))

@@ -19,6 +19,7 @@ from bayesify.core.layers import BayesianLayer
 from bayesify.core.locks import model_lock
 from bayesify.core.names import base_name, in_base_layer, posterior_name
 from bayesify.core.outputs import logits_of
+from bayesify.core.signature import forward_with_signature
 from bayesify.core.state import PosteriorState, RuntimeCache
 from bayesify.core.walker import replace_modules
 
@@ -67,6 +68,10 @@ class BayesianModel(nn.Module):
         #: per-model caches and data sources of the family: never saved (see RuntimeCache)
         self.runtime = RuntimeCache()
         self.bn_train = False
+        # inspect.signature(bnn.forward) is the wrapped model's (HF Trainer column pruning)
+        bound = forward_with_signature(self, type(self).forward, model)
+        if bound is not None:
+            self.forward = bound
 
     # -- structure -------------------------------------------------------------------
     @property

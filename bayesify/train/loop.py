@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from bayesify.core.batch import BatchFn, call_model
 from bayesify.core.checks import check_finite_batch, check_labels, explain_shapes
 from bayesify.core.outputs import check_not_probabilities, logits_of
 from bayesify.errors import BayesifyError, NonFiniteLossError
+from bayesify.progress import progress_bar
 from bayesify.train import evaluate as evaluation
 from bayesify.train import resume as ckpt
 from bayesify.train.best import BestState
@@ -411,9 +411,8 @@ def _run_epoch(state: TrainContext, *, progress: bool, run: ckpt.Run,
                               "batches": 0.0, "seconds": 0.0}
     state.totals = totals
     start = time.perf_counter() - totals["seconds"]
-    bar = tqdm(total=state.steps_per_epoch or None, initial=state.step,
-               desc=f"epoch {state.epoch + 1}/{state.epochs}", disable=not progress,
-               leave=False, dynamic_ncols=True)
+    bar = progress_bar(None, f"epoch {state.epoch + 1}/{state.epochs}", enabled=progress,
+                       total=state.steps_per_epoch or None, initial=state.step)
     beta, micro = 0.0, 0
     for batch in state.train_batches():
         if state.num_classes is None:  # the first batch: the class count is the logits'
