@@ -41,6 +41,7 @@ from bayesify.core.batch import BatchFn, call_model
 from bayesify.core.checks import check_finite_batch, check_labels
 from bayesify.core.outputs import check_not_probabilities, logits_of
 from bayesify.errors import BayesifyError, NonFiniteLossError
+from bayesify.kit import laplace_heads
 from bayesify.train import evaluate as evaluation
 from bayesify.train import resume as ckpt
 from bayesify.train.budget import (  # noqa: F401 - re-exported
@@ -265,8 +266,10 @@ def fit(
                 is_last = state.epoch + 1 == state.epochs
                 if is_last:
                     record.update(step.end(state))
+                    if laplace_heads.enabled(bnn):  # member-wise Laplace heads (issue 31)
+                        record.update(laplace_heads.fit_heads(state))
                     if val_loader is not None:
-                        record.update(state.tune(method.knobs(bnn)))
+                        record.update(state.tune(method.knobs(bnn) + laplace_heads.heads_knob(bnn)))
             if val_loader is not None and ((state.epoch + 1) % max(val_every, 1) == 0 or is_last):
                 metrics = evaluation.evaluate_sharded(bnn, val_loader, ctx,
                                            samples_per_component=val_samples_per_component,
