@@ -114,3 +114,12 @@ def test_off_by_default_and_other_member_counts_refused() -> None:
     bnn = _fitted("ibnn")
     with pytest.raises(BayesifyError, match="fitted for"):
         bnn.predictive(_data(4)[0], samples_per_component=bnn.posterior_config.default_samples() + 1)
+
+
+def test_export_and_save_refused_with_a_clear_error(tmp_path) -> None:
+    bnn = _fitted(components=2)
+    with pytest.raises(BayesifyError, match="not supported yet"):
+        bnn.predictor().export(tmp_path / "m.pt2", _data(2)[0])
+    with pytest.raises(BayesifyError, match="not supported yet"):
+        bnn.save_posterior(tmp_path / "post")
+    assert not (tmp_path / "post").exists()

@@ -55,6 +55,12 @@ _CACHE = "laplace_heads_posterior"
 TAU_GRID = (1e-4, 1e4, 17)
 #: the predictor's seed the heads are fitted for
 HEAD_SEED = 0
+NOT_EXPORTED = ("exporting a posterior with laplace_heads=True is not supported yet (the "
+                "members' probit GLM heads are not part of Method.export_module); export the "
+                "family without laplace_heads, or predict in-process")
+NOT_SAVED = ("saving a posterior with laplace_heads=True is not supported yet (the heads' "
+             "KFAC factors are added to the state after the fit); predict in-process, or "
+             "save the family without laplace_heads")
 
 
 def enabled(bnn: BayesianModel) -> bool:
