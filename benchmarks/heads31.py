@@ -8,8 +8,9 @@ by the validation search):
 * ``map`` (the start) and a 5-member deep ensemble trained from scratch (member 0 = the start);
 * each family in ``--families`` at its defaults, and with ``laplace_heads=True``;
 * ensemble variants (``--ensemble-variants``): re-initialised heads (``head_init='random'``)
-  trained ``--epochs`` epochs (``targets='all'`` and ``'last_layer'``), beside the default
-  pretrained heads + 5 % jitter; each also with Laplace heads.
+  trained ``--epochs`` epochs (``targets='all'``, with and without online bagging
+  ``bootstrap=True``, and ``targets='last_layer'``), beside the default pretrained heads +
+  5 % jitter; each also with Laplace heads.
 
 Columns: accuracy, clean NLL, mean NLL over the 7 shifts, OOD AUROC by predictive entropy,
 fit seconds (ratios within one run; the machine was shared). Writes ``results/issue31.json``.
@@ -57,6 +58,8 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any], d
         out.append((f"{family}+heads", family, {"laplace_heads": True}, {}))
     if args.ensemble_variants:
         for name, opts in (("ensemble random-heads", {"head_init": "random"}),
+                           ("ensemble random-heads+bootstrap",
+                            {"head_init": "random", "bootstrap": True}),
                            ("ensemble random-heads last_layer",
                             {"head_init": "random", "targets": "last_layer"})):
             for heads in (False, True):

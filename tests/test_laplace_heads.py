@@ -123,3 +123,8 @@ def test_export_and_save_refused_with_a_clear_error(tmp_path) -> None:
     with pytest.raises(BayesifyError, match="not supported yet"):
         bnn.save_posterior(tmp_path / "post")
     assert not (tmp_path / "post").exists()
+
+
+def test_laplace_family_refuses_laplace_heads() -> None:
+    with pytest.raises(BayesifyError, match="laplace_heads"):
+        bayesify(_net(), method="laplace", laplace_heads=True)
