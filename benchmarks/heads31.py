@@ -124,7 +124,8 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
         row.update(fit_seconds=fit_s, predict_seconds=time.perf_counter() - t0,
                    T=bnn.state.value("temperature"),
                    tau=float(buffers["heads_prior_precision"]) if "heads_prior_precision"
-                   in buffers else None, val_nll=result.last.get("val_nll"))
+                   in buffers else None, val_nll=result.last.get("val_nll"),
+                   heads_seconds=result.last.get("heads_seconds"))
         out["rows"][name] = row
         if args.frontier and options.get("laplace_heads"):
             row["frontier"] = frontier(bnn, tx, ty, shifted)

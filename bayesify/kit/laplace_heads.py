@@ -30,6 +30,7 @@ prediction with another member count is refused.
 from __future__ import annotations
 
 import math
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -119,6 +120,7 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
     """One gradient-free pass over this rank's training data (eval mode): per member the
     KFAC factors ``A_m``, ``G_m`` and N, summed over the ranks; τ starts at 1."""
     bnn = ctx.bnn
+    started = time.perf_counter()
     was_training = bnn.training
     bnn.eval()
     samples = bnn.posterior_config.default_samples()
@@ -149,7 +151,8 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
         else:
             bnn.state.add(name, value.to(bnn.device))
     bnn.runtime.pop(_CACHE, None)
-    return {"heads_members": int(a.shape[0]), "heads_n_data": total}
+    return {"heads_members": int(a.shape[0]), "heads_n_data": total,
+            "heads_seconds": time.perf_counter() - started}
 
 
 def set_prior_precision(bnn: BayesianModel, tau: float) -> None:
