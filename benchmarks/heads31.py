@@ -90,6 +90,8 @@ def rows_for(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any], d
                 out.append((name + ("+heads" if heads else ""), "ensemble",
                             {**opts, **({"laplace_heads": True} if heads else {})},
                             {"epochs": args.epochs}))
+    for name, family, options in args.variant or ():
+        out.append((name, family, json.loads(options), {}))
     return out
 
 
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--families", nargs="*", default=["ensemble", "ibnn"])
     parser.add_argument("--ensemble-variants", action="store_true")
     parser.add_argument("--deep-ensemble", action="store_true")
+    parser.add_argument("--variant", nargs=3, action="append", metavar=("NAME", "FAMILY", "JSON"),
+                        help="an extra row: name, family and its wrap options as JSON")
     parser.add_argument("--frontier", action="store_true",
                         help="every (τ, T) of the heads' search grid scored on the test split")
     parser.add_argument("--epochs", type=int, default=30,
