@@ -71,12 +71,15 @@ def test_curvature_equals_brute_force_sums() -> None:
     assert bnn.state.value(heads._N) == 48
 
 
-@pytest.mark.parametrize("method", ["ensemble", "ibnn"])
+@pytest.mark.parametrize("method", ["ensemble", "ibnn", "batchensemble"])
 def test_zero_covariance_is_the_family_predictive(method: str) -> None:
-    """τ → ∞ (Σ → 0): the mixture of probits is the family's own member mixture."""
+    """τ → ∞ (Σ → 0): the mixture of probits is the family's own member mixture (with the
+    family's member temperature where it has one)."""
     bnn = _fitted(method)
     x, _ = _data(10, 4)
     bnn.eval()
+    if "member_temperature" in dict(bnn.state.named_buffers()):
+        bnn.state.set("member_temperature", 1.7)
     heads.set_prior_precision(bnn, 1e12)
     mixed = bnn.predictive(x)
     own = bnn.method.predictive(bnn, x, samples_per_component=bnn.posterior_config.default_samples(),
@@ -128,3 +131,10 @@ def test_export_and_save_refused_with_a_clear_error(tmp_path) -> None:
 def test_laplace_family_refuses_laplace_heads() -> None:
     with pytest.raises(BayesifyError, match="laplace_heads"):
         bayesify(_net(), method="laplace", laplace_heads=True)
+
+
+def test_unsupported_family_is_a_clear_error() -> None:
+    """hypernet's classifier is not a Linear of its features: refused, naming laplace_heads."""
+    bnn = bayesify(_net(), method="hypernet", laplace_heads=True)
+    with pytest.raises(BayesifyError, match="laplace_heads"):
+        fit(bnn, _loader(), epochs=1)

@@ -44,6 +44,7 @@ from bayesify.core.prediction import Prediction
 from bayesify.core.selection import log_grid
 from bayesify.core.walker import find_classifier
 from bayesify.errors import BayesifyError
+from bayesify.kit.knobs import MemberTemperature
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -96,6 +97,10 @@ def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, m
     try:
         logits = bnn.method.member_logits(bnn, x, samples_per_component=samples_per_component,
                                           max_rows=max_rows, seed=seed, deterministic=False)
+    except RuntimeError as err:  # e.g. a member forward under torch.func (swag)
+        raise BayesifyError(
+            f"laplace_heads cannot read the classifier's features in the member forward of "
+            f"{bnn.method_name!r} ({str(err)[:120]}); this family is not supported yet") from err
     finally:
         handle.remove()
     m, b, c = logits.shape
@@ -202,7 +207,11 @@ def heads_predictive(bnn: BayesianModel, x: Any, *, samples_per_component: int, 
             "the default samples_per_component")
     tau = bnn.state.get_buffer(_TAU)
     var = functional_variance(eig, q_a, q_g, feats.to(eig.dtype), tau)
-    probit = torch.log_softmax(logits.double() / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1)
+    mean = logits.double()
+    if isinstance(bnn.method, MemberTemperature):  # the family's member temperature t:
+        t = bnn.state.get_buffer(bnn.method.knob_name).to(mean)  # f/t ~ N(f*/t, Σ_f/t²)
+        mean, var = mean / t, var / t.square()
+    probit = torch.log_softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1)
     return Prediction(probit.float())
 
 
