@@ -54,6 +54,7 @@ from bayesify.core.digests import (  # noqa: F401 - re-exported (checkpoints, us
 )
 from bayesify.core.extensions import provide
 from bayesify.errors import BayesifyError
+from bayesify.kit import laplace_heads
 from bayesify.posterior_format import (  # noqa: F401 - re-exported (the public names)
     BASE_PREFIX,
     FORMAT,
@@ -231,6 +232,8 @@ def save_posterior(bnn: BayesianModel, directory: str | os.PathLike, *,
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise BayesifyError(f"{directory} exists and is not a directory")
+    if laplace_heads.enabled(bnn) and laplace_heads.fitted(bnn):
+        raise BayesifyError(laplace_heads.NOT_SAVED + f"; nothing was written to {directory}")
     tensors, buffer_names, base_names = posterior_tensors(bnn)
     bad = unusable_tensors(tensors)
     if bad:

@@ -50,6 +50,12 @@ class MethodConfig:
     exclude: tuple[str, ...] = option(
         (), "Never wrap modules whose qualified name matches one of these patterns."
     )
+    laplace_heads: bool = option(
+        False, "Member-wise last-layer Laplace heads (bayesify.kit.laplace_heads): after the "
+        "family's fit, one pass over the training data fits a KFAC Laplace around every "
+        "predictive member's classifier; the predictive is the mixture of the members' probit "
+        "GLM predictives, τ searched with the temperature given a val_loader."
+    )
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude"):

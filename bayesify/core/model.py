@@ -244,6 +244,12 @@ class BayesianModel(nn.Module):
         """The raw :class:`~bayesify.core.prediction.Prediction` (members or moments)."""
         n = samples_per_component or self.posterior_config.default_samples()
         with model_lock(self):  # the sampling plan is shared: one prediction at a time
+            if getattr(self.posterior_config, "laplace_heads", False):  # bayesify.kit.laplace_heads
+                heads = implementation("laplace_heads")(
+                    self, x, samples_per_component=n, max_rows=max_rows, seed=seed,
+                    deterministic=self.context.force_deterministic)
+                if heads is not None:
+                    return heads
             return self.method.predictive(
                 self, x, samples_per_component=n, max_rows=max_rows, seed=seed,
                 deterministic=self.context.force_deterministic,

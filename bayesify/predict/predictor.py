@@ -22,6 +22,7 @@ from bayesify.core.fitting import BatchSource
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
+from bayesify.kit import laplace_heads
 from bayesify.kit.stacked import StackedModels
 from bayesify.predict.serving import (
     check_inputs,
@@ -330,6 +331,8 @@ class EnsemblePredictor(BasePredictor):
     def export_members(self, example: Any) -> torch.nn.Module:
         """The family's frozen members (``Method.export_module``) in eval mode."""
         bnn = self.bnn
+        if laplace_heads.enabled(bnn) and laplace_heads.fitted(bnn):
+            raise BayesifyError(laplace_heads.NOT_EXPORTED)
         was_training = bnn.training
         bnn.eval()
         try:

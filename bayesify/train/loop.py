@@ -41,6 +41,7 @@ from bayesify.core.batch import BatchFn, call_model
 from bayesify.core.checks import check_finite_batch, check_labels, explain_shapes
 from bayesify.core.outputs import check_not_probabilities, logits_of
 from bayesify.errors import BayesifyError, NonFiniteLossError
+from bayesify.kit import laplace_heads
 from bayesify.progress import progress_bar
 from bayesify.train import evaluate as evaluation
 from bayesify.train import resume as ckpt
@@ -289,8 +290,11 @@ def fit(
                 is_last = state.epoch + 1 == state.epochs
                 if is_last:
                     record.update(step.end(state))
+                    if laplace_heads.enabled(bnn):  # member-wise Laplace heads (issue 31)
+                        record.update(laplace_heads.fit_heads(state))
                     if val_loader is not None:
-                        record.update(state.tune(method.knobs(bnn)))
+                        knobs = method.knobs(bnn) + laplace_heads.heads_knob(bnn)
+                        record.update(state.tune(knobs))
             if val_loader is not None and clock.should_validate(record, epoch=state.epoch,
                                                                 is_last=is_last):
                 began = time.perf_counter()

@@ -59,6 +59,7 @@ from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import temper
 from bayesify.core.selection import choose_joint, log_grid
 from bayesify.errors import BayesifyError
+from bayesify.kit import laplace_heads
 from bayesify.metrics import per_example_nll
 from bayesify.progress import progress_bar
 from bayesify.train.data import shard_batches
@@ -338,6 +339,7 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, batch_fn: BatchFn | None =
         return shard_batches(shift_loader, ctx, device=bnn.device, batch_fn=batch_fn)
 
     with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):  # only rank 0 warns
-        return search_knobs(bnn, bnn.method.knobs(bnn), batches, ctx,
+        knobs = bnn.method.knobs(bnn) + laplace_heads.heads_knob(bnn)
+        return search_knobs(bnn, knobs, batches, ctx,
                             shift_batches=shifted if shift_loader is not None else None,
                             temperature=temperature, progress=progress)

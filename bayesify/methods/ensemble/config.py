@@ -33,6 +33,11 @@ class EnsembleConfig(MethodConfig):
         "Conv/Linear/BN is then a separate copy per member (default False: the pretrained "
         "statistics, estimated on far more data, are shared)."
     )
+    bootstrap: bool = option(
+        False, "Online bagging (Oza & Russell 2001): member k weights every training row by "
+        "its own Poisson(1) draw, so the members see different data streams although they "
+        "share the tiled batches (diversity beside head_init / init_noise)."
+    )
     snapshot: bool = option(
         False, "Snapshot ensemble (Huang et al. 2017): one run with a cyclic cosine LR over "
         "M cycles; the weights at the end of cycle k become member k."

@@ -26,6 +26,7 @@ import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from bayesify.core.batch import batch_device, batch_rows, call_model
@@ -99,7 +100,25 @@ class EnsembleMethod(MemberTemperature, TiledMethod):
 
 
 class EnsembleStep(ElboStep):
-    """Deep ensemble: the ELBO step of the tiled members (no KL: the layers have none)."""
+    """Deep ensemble: the ELBO step of the tiled members (no KL: the layers have none).
+
+    With ``bootstrap=True`` the NLL of member k is ``Σ_b w_kb ℓ_kb / Σ_b w_kb`` with
+    ``w_kb ~ Poisson(1)`` per row (online bagging), averaged over the members."""
+
+    def terms(self, bnn: BayesianModel, inputs: Any, labels: torch.Tensor,
+              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if not bnn.posterior_config.bootstrap:
+            return super().terms(bnn, inputs, labels, generator)
+        with bnn.context.use(None, generator=generator):
+            logits, targets = self.forward(bnn, inputs, labels)
+        members = int(bnn.posterior_config.components)
+        rows = F.cross_entropy(logits.float(), targets, reduction="none").view(members, -1)
+        rates = torch.ones(rows.shape, device=rows.device)
+        draw = (generator if generator is not None and generator.device == rows.device
+                else None)
+        weights = torch.poisson(rates, generator=draw)
+        nll = ((weights * rows).sum(1) / weights.sum(1).clamp_min(1.0)).mean()
+        return nll, torch.zeros((), device=nll.device)
 
     def begin(self, ctx: FitContext) -> None:
         cfg: EnsembleConfig = ctx.bnn.posterior_config

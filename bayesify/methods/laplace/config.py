@@ -86,3 +86,6 @@ class LaplaceConfig(MethodConfig):
         require(isinstance(self.ggn_samples, int) and self.ggn_samples > 0,
                 f"ggn_samples must be a positive integer, got {self.ggn_samples!r}")
         require(self.jacobian_chunk > 0, f"jacobian_chunk must be > 0, got {self.jacobian_chunk}")
+        require(not self.laplace_heads,
+                "laplace_heads=True puts a last-layer Laplace on another family's members; the "
+                "laplace family is one already (use structure='kron', targets='last_layer')")

@@ -1,0 +1,225 @@
+"""Member-wise last-layer Laplace heads: a mixture of Laplace approximations
+(Eschenhagen et al. 2021) on top of any family's members.
+
+Every predictive member m of a family is a fixed network whose classifier is linear in
+its input: ``f_m(x) = W_m φ_m(x) + b_m`` (ensemble copies, iBNN/rank-1 noise, SWAG or
+dropout samples all keep this form). Around each member's head a last-layer Laplace with
+a KFAC GGN, fitted in one gradient-free pass over the training data after the family's
+fit (:func:`fit_heads`)::
+
+    A_m = Σ_n ã_mn ã_mnᵀ  [D', D'],  ã = [φ, 1];   G_m = Σ_n (diag p_mn − p_mn p_mnᵀ)  [C, C]
+    Σ_m = (G_m ⊗ A_m / N + τ I)⁻¹   over θ_m = vec([W_m | b_m])
+
+gives the GLM predictive ``f ~ N(f_m(x), Σ_f,m)`` with ``Σ_f,m = (I ⊗ ãᵀ) Σ_m (I ⊗ ã)``,
+whose diagonal grows off the data (features the curvature has not seen). Each member's
+predictive is the probit ``softmax(f_m / sqrt(1 + π/8 · diag Σ_f,m))``; the model's
+predictive the mixture over members (in probability space), with the predictive
+temperature on top (the caller's ``Prediction.scaled``). τ is a :class:`Knob` searched
+jointly with the temperature like every family knob (:func:`heads_knob`).
+
+The result is a members :class:`~bayesify.core.prediction.Prediction` whose "member
+logits" are the members' probit log-probabilities: the mixture is exact; the
+decomposition counts the within-member (Laplace) spread as aleatoric and the spread
+between members as epistemic.
+
+Members are the predictor's: ``K × samples_per_component`` fixed networks at ``seed``;
+the heads are fitted for the default predictor (``default_samples()``, seed 0), and a
+prediction with another member count is refused.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from bayesify.core.extensions import provide
+from bayesify.core.fitting import FitContext, Knob
+from bayesify.core.names import base_name
+from bayesify.core.outputs import logits_of
+from bayesify.core.prediction import Prediction
+from bayesify.core.selection import log_grid
+from bayesify.core.walker import find_classifier
+from bayesify.errors import BayesifyError
+from bayesify.kit.knobs import MemberTemperature
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
+
+#: state entries (added by :func:`fit_heads`)
+_A, _G, _N, _TAU, _FITTED = ("heads_kron_input", "heads_kron_output", "heads_n_data",
+                             "heads_prior_precision", "heads_fitted")
+_CACHE = "laplace_heads_posterior"
+#: τ grid of the search (log-spaced); large τ is the family's own predictive
+TAU_GRID = (1e-4, 1e4, 17)
+#: the predictor's seed the heads are fitted for
+HEAD_SEED = 0
+NOT_EXPORTED = ("exporting a posterior with laplace_heads=True is not supported yet (the "
+                "members' probit GLM heads are not part of Method.export_module); export the "
+                "family without laplace_heads, or predict in-process")
+NOT_SAVED = ("saving a posterior with laplace_heads=True is not supported yet (the heads' "
+             "KFAC factors are added to the state after the fit); predict in-process, or "
+             "save the family without laplace_heads")
+
+
+def enabled(bnn: BayesianModel) -> bool:
+    """Whether the posterior's config asks for Laplace heads (``laplace_heads=True``)."""
+    return bool(getattr(bnn.posterior_config, "laplace_heads", False))
+
+
+def fitted(bnn: BayesianModel) -> bool:
+    return _FITTED in dict(bnn.state.named_buffers()) and bool(bnn.state.value(_FITTED))
+
+
+def classifier_module(bnn: BayesianModel) -> nn.Module:
+    """The (wrapped) classifier module whose input is φ and whose output is the logits."""
+    name = find_classifier(bnn.model)
+    if name is None:
+        raise BayesifyError("laplace_heads needs a Linear classifier in the model; none found")
+    module = bnn.model.get_submodule(base_name(name)) if base_name(name) else bnn.model
+    return module
+
+
+def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, max_rows: int,
+                    seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ã [M, B, D']`` (the classifier's input of every member, with a 1 for the bias)
+    and the member logits ``f [M, B, C]`` (``method.member_logits``, one forward)."""
+    module = classifier_module(bnn)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def hook(_: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        seen.append((inputs[0].detach(), logits_of(output).detach()))
+
+    handle = module.register_forward_hook(hook)
+    try:
+        logits = bnn.method.member_logits(bnn, x, samples_per_component=samples_per_component,
+                                          max_rows=max_rows, seed=seed, deterministic=False)
+    except RuntimeError as err:  # e.g. a member forward under torch.func (swag)
+        raise BayesifyError(
+            f"laplace_heads cannot read the classifier's features in the member forward of "
+            f"{bnn.method_name!r} ({str(err)[:120]}); this family is not supported yet") from err
+    finally:
+        handle.remove()
+    m, b, c = logits.shape
+    if not seen:
+        raise BayesifyError(f"laplace_heads: the classifier {type(module).__name__} did not run "
+                            "in the family's member forward")
+    feats = torch.cat([s[0] for s in seen])
+    outs = torch.cat([s[1] for s in seen])
+    if feats.dim() != 2 or outs.shape != (m * b, c) or not torch.allclose(
+            outs.reshape(m, b, c).float(), logits.float(), atol=1e-4, rtol=1e-4):
+        raise BayesifyError(
+            "laplace_heads needs the classifier (a Linear on [B, D] features) to produce the "
+            f"members' logits; saw input {tuple(feats.shape)}, output {tuple(outs.shape)} for "
+            f"member logits {tuple(logits.shape)}")
+    feats = feats.reshape(m, b, -1)
+    feats = torch.cat([feats, torch.ones_like(feats[..., :1])], dim=-1)
+    return feats, logits
+
+
+@torch.no_grad()
+def fit_heads(ctx: FitContext) -> dict[str, Any]:
+    """One gradient-free pass over this rank's training data (eval mode): per member the
+    KFAC factors ``A_m``, ``G_m`` and N, summed over the ranks; τ starts at 1."""
+    bnn = ctx.bnn
+    started = time.perf_counter()
+    was_training = bnn.training
+    bnn.eval()
+    samples = bnn.posterior_config.default_samples()
+    sums: list[torch.Tensor] | None = None
+    n = 0
+    try:
+        for batch in ctx.batches():
+            feats, logits = member_features(bnn, batch.model_input(), samples_per_component=samples,
+                                            max_rows=1 << 30, seed=HEAD_SEED)
+            feats, probs = feats.double(), logits.double().softmax(-1)
+            a = feats.transpose(1, 2) @ feats
+            g = torch.diag_embed(probs.sum(1)) - probs.transpose(1, 2) @ probs
+            sums = [a, g] if sums is None else [sums[0] + a, sums[1] + g]
+            n += feats.shape[1]
+    finally:
+        bnn.train(was_training)
+    if sums is None:
+        raise BayesifyError("laplace_heads: the training data gave no batch to fit the heads on")
+    a = ctx.all_reduce_sum(sums[0])
+    g = ctx.all_reduce_sum(sums[1])
+    total = float(ctx.all_reduce_sum(torch.tensor(float(n), dtype=torch.float64, device=a.device)))
+    entries = {_A: a, _G: g, _N: torch.tensor(total, dtype=torch.float64),
+               _TAU: torch.ones((), dtype=torch.float64), _FITTED: torch.ones((), dtype=torch.long)}
+    buffers = dict(bnn.state.named_buffers())
+    for name, value in entries.items():
+        if name in buffers and buffers[name].shape == value.shape:
+            bnn.state.set(name, value)
+        else:
+            bnn.state.add(name, value.to(bnn.device))
+    bnn.runtime.pop(_CACHE, None)
+    return {"heads_members": int(a.shape[0]), "heads_n_data": total,
+            "heads_seconds": time.perf_counter() - started}
+
+
+def set_prior_precision(bnn: BayesianModel, tau: float) -> None:
+    bnn.state.set(_TAU, tau)
+
+
+def heads_knob(bnn: BayesianModel) -> list[Knob]:
+    """τ of every member's head on a log grid (smallest = broadest), once fitted."""
+    if not enabled(bnn) or not fitted(bnn):
+        return []
+    return [Knob(name="heads_prior_precision", grid=tuple(log_grid(TAU_GRID)),
+                 meaning="prior precision τ of the member-wise Laplace heads; smaller is broader",
+                 set=lambda tau: set_prior_precision(bnn, tau), prefer="smallest", initial=None)]
+
+
+def _posterior(bnn: BayesianModel) -> tuple[torch.Tensor, ...]:
+    """Cached batched eigendecompositions ``(λ [M, C, D'] / N, Q_A [M, D', D'], Q_G [M, C, C])``."""
+    cached = bnn.runtime.get(_CACHE)
+    if cached is None:
+        eig_a, q_a = torch.linalg.eigh(bnn.state.get_buffer(_A))
+        eig_g, q_g = torch.linalg.eigh(bnn.state.get_buffer(_G))
+        n = bnn.state.get_buffer(_N).clamp_min(1)
+        eig = eig_g.clamp_min(0).unsqueeze(2) * eig_a.clamp_min(0).unsqueeze(1) / n
+        cached = (eig, q_a, q_g)
+        bnn.runtime[_CACHE] = cached
+    return cached
+
+
+def functional_variance(eig: torch.Tensor, q_a: torch.Tensor, q_g: torch.Tensor,
+                        feats: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
+    """``diag Σ_f [M, B, C]``: ``Σ_f,m = Q_G diag(s) Q_Gᵀ`` with
+    ``s_g = Σ_a (Q_Aᵀ ã)_a² / (λ_g λ_a / N + τ)`` per member."""
+    s = (feats @ q_a).square() @ (1.0 / (eig + tau)).transpose(1, 2)  # [M, B, C]
+    return s @ q_g.square().transpose(1, 2)
+
+
+def heads_predictive(bnn: BayesianModel, x: Any, *, samples_per_component: int, max_rows: int,
+                     seed: int | None = None, deterministic: bool = False) -> Prediction:
+    """The mixture over members of each member's probit GLM predictive (see module doc)."""
+    feats, logits = member_features(bnn, x, samples_per_component=samples_per_component,
+                                    max_rows=max_rows, seed=seed)
+    eig, q_a, q_g = _posterior(bnn)
+    if feats.shape[0] != eig.shape[0]:
+        raise BayesifyError(
+            f"laplace_heads were fitted for {eig.shape[0]} members; this prediction has "
+            f"{feats.shape[0]} (samples_per_component={samples_per_component}). Predict with "
+            "the default samples_per_component")
+    tau = bnn.state.get_buffer(_TAU)
+    var = functional_variance(eig, q_a, q_g, feats.to(eig.dtype), tau)
+    mean = logits.double()
+    if isinstance(bnn.method, MemberTemperature):  # the family's member temperature t:
+        t = bnn.state.get_buffer(bnn.method.knob_name).to(mean)  # f/t ~ N(f*/t, Σ_f/t²)
+        mean, var = mean / t, var / t.square()
+    probit = torch.log_softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1)
+    return Prediction(probit.float())
+
+
+def predictive_if_fitted(bnn: BayesianModel, x: Any, **kwargs: Any) -> Prediction | None:
+    """The heads' predictive when the config asks for them and they are fitted, else None."""
+    if kwargs.get("deterministic") or not enabled(bnn) or not fitted(bnn):
+        return None
+    return heads_predictive(bnn, x, **kwargs)
+
+
+provide("laplace_heads", predictive_if_fitted)

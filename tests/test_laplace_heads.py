@@ -1,0 +1,140 @@
+"""Member-wise last-layer Laplace heads (bayesify.kit.laplace_heads, issue 31): the GLM
+variance against a dense brute force, τ → ∞ is the family's own predictive, the mixture of
+probits, fit + search through ``fit(val_loader=...)``, refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bayesify import BayesifyError, bayesify, fit
+from bayesify.kit import laplace_heads as heads
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def _data(n: int = 48, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 5, generator=g)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+
+
+def _loader(n: int = 48, seed: int = 1) -> DataLoader:
+    return DataLoader(TensorDataset(*_data(n, seed)), batch_size=16)
+
+
+def _fitted(method: str = "ensemble", val: bool = False, **options) -> object:
+    bnn = bayesify(_net(), method=method, laplace_heads=True, **options)
+    fit(bnn, _loader(), epochs=2, val_loader=_loader(32, 2) if val else None)
+    return bnn
+
+
+def test_glm_variance_equals_dense_brute_force() -> None:
+    """diag((I ⊗ ãᵀ) (G ⊗ A / N + τ I)⁻¹ (I ⊗ ã)) per member against the dense inverse."""
+    bnn = _fitted(components=2)
+    x, _ = _data(6, 3)
+    feats, _ = heads.member_features(bnn, x, samples_per_component=1, max_rows=4096, seed=0)
+    eig, q_a, q_g = heads._posterior(bnn)
+    tau = 0.3
+    fast = heads.functional_variance(eig, q_a, q_g, feats.double(), tau)
+    a, g = bnn.state.get_buffer(heads._A), bnn.state.get_buffer(heads._G)
+    n = bnn.state.get_buffer(heads._N)
+    c = g.shape[-1]
+    for m in range(feats.shape[0]):
+        sigma = torch.linalg.inv(torch.kron(g[m], a[m]) / n + tau * torch.eye(c * a.shape[-1],
+                                                                                dtype=a.dtype))
+        for b in range(feats.shape[1]):
+            jac = torch.kron(torch.eye(c, dtype=a.dtype), feats[m, b].double().unsqueeze(0))
+            dense = (jac @ sigma @ jac.T).diagonal()
+            torch.testing.assert_close(fast[m, b], dense, rtol=1e-6, atol=1e-9)
+
+
+def test_curvature_equals_brute_force_sums() -> None:
+    """A_m = Σ ã ãᵀ and G_m = Σ (diag p − p pᵀ) over the training data, per member."""
+    bnn = _fitted(components=2)
+    x, _ = _data()
+    bnn.eval()
+    feats, logits = heads.member_features(bnn, x, samples_per_component=1, max_rows=4096, seed=0)
+    p = logits.double().softmax(-1)
+    for m in range(2):
+        torch.testing.assert_close(bnn.state.get_buffer(heads._A)[m],
+                                   feats[m].double().T @ feats[m].double())
+        torch.testing.assert_close(bnn.state.get_buffer(heads._G)[m],
+                                   torch.diag(p[m].sum(0)) - p[m].T @ p[m])
+    assert bnn.state.value(heads._N) == 48
+
+
+@pytest.mark.parametrize("method", ["ensemble", "ibnn", "batchensemble"])
+def test_zero_covariance_is_the_family_predictive(method: str) -> None:
+    """τ → ∞ (Σ → 0): the mixture of probits is the family's own member mixture (with the
+    family's member temperature where it has one)."""
+    bnn = _fitted(method)
+    x, _ = _data(10, 4)
+    bnn.eval()
+    if "member_temperature" in dict(bnn.state.named_buffers()):
+        bnn.state.set("member_temperature", 1.7)
+    heads.set_prior_precision(bnn, 1e12)
+    mixed = bnn.predictive(x)
+    own = bnn.method.predictive(bnn, x, samples_per_component=bnn.posterior_config.default_samples(),
+                                max_rows=4096, seed=0)
+    torch.testing.assert_close(mixed.log_probs, own.log_probs, rtol=1e-5, atol=1e-5)
+
+
+def test_mixture_of_probits_and_broader_off_the_data() -> None:
+    """Per member softmax(f / sqrt(1 + π/8 var)), averaged in probability space; the
+    variance grows with the distance from the training features."""
+    bnn = _fitted(components=3)
+    heads.set_prior_precision(bnn, 0.1)
+    bnn.eval()
+    x, _ = _data(8, 5)
+    feats, logits = heads.member_features(bnn, x, samples_per_component=1, max_rows=4096, seed=0)
+    var = heads.functional_variance(*heads._posterior(bnn), feats.double(), 0.1)
+    expected = (logits.double() / torch.sqrt(1 + math.pi / 8 * var)).softmax(-1).mean(0)
+    torch.testing.assert_close(bnn.predictive(x).probs.double(), expected, rtol=1e-5, atol=1e-6)
+    far, _ = heads.member_features(bnn, 30 * x, samples_per_component=1, max_rows=4096, seed=0)
+    var_far = heads.functional_variance(*heads._posterior(bnn), far.double(), 0.1)
+    assert (var_far.mean() > 10 * var.mean()).item()
+
+
+def test_fit_with_validation_searches_tau() -> None:
+    """fit(val_loader=...) fits the heads after the family and chooses τ on the grid."""
+    bnn = _fitted(val=True)
+    tau = bnn.state.value(heads._TAU)
+    assert min(abs(math.log(tau / v)) for v in heads.log_grid(heads.TAU_GRID)) < 1e-6
+    assert torch.isfinite(bnn.predictive(_data(4, 6)[0]).log_probs).all()
+
+
+def test_off_by_default_and_other_member_counts_refused() -> None:
+    plain = bayesify(_net(), method="ensemble")
+    assert plain.posterior_config.laplace_heads is False
+    bnn = _fitted("ibnn")
+    with pytest.raises(BayesifyError, match="fitted for"):
+        bnn.predictive(_data(4)[0], samples_per_component=bnn.posterior_config.default_samples() + 1)
+
+
+def test_export_and_save_refused_with_a_clear_error(tmp_path) -> None:
+    bnn = _fitted(components=2)
+    with pytest.raises(BayesifyError, match="not supported yet"):
+        bnn.predictor().export(tmp_path / "m.pt2", _data(2)[0])
+    with pytest.raises(BayesifyError, match="not supported yet"):
+        bnn.save_posterior(tmp_path / "post")
+    assert not (tmp_path / "post").exists()
+
+
+def test_laplace_family_refuses_laplace_heads() -> None:
+    with pytest.raises(BayesifyError, match="laplace_heads"):
+        bayesify(_net(), method="laplace", laplace_heads=True)
+
+
+def test_unsupported_family_is_a_clear_error() -> None:
+    """hypernet's classifier is not a Linear of its features: refused, naming laplace_heads."""
+    bnn = bayesify(_net(), method="hypernet", laplace_heads=True)
+    with pytest.raises(BayesifyError, match="laplace_heads"):
+        fit(bnn, _loader(), epochs=1)
