@@ -88,19 +88,6 @@ def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int, lr
     model.eval()
 
 
-class Normalised(nn.Module):
-    """``f(x / divisor)``: a network that takes 0–255 inputs and normalises inside the first
-    layer's input (so the *wrapped* first convolution still sees [0, 1] after ÷255 — or, with
-    ``inside=False``, the raw 0–255 values reach the first convolution)."""
-
-    def __init__(self, net: nn.Module, divisor: float) -> None:
-        super().__init__()
-        self.net, self.divisor = net, float(divisor)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x / self.divisor)
-
-
 def bn_cnn(*, num_classes: int = 10, depthwise: bool = False, logit_scale: float = 1.0,
            raw: bool = False, weight_decay: float = 0.5, steps: int = 150, seed: int = 0,
            batch_size: int = 16, n_train: int = 500, size: int = 16, head: int | None = None):
@@ -192,9 +179,10 @@ def lite0_imagenet() -> nn.Module:
     return model.eval()
 
 
-def sample_photo_crops(n: int = 48, *, size: int = 96, seed: int = 0):
-    """``n`` random crops (half from each of scikit-learn's two sample photos), resized to
-    ``size``, ImageNet-normalised; label = which photo."""
+def sample_photo_crops(n: int = 48, *, size: int = 96, seed: int = 0, classes: int = 2):
+    """``n`` random crops of scikit-learn's two sample photos, resized to ``size``,
+    ImageNet-normalised. ``classes=2``: label = which photo; ``classes=4``: which photo and
+    which half of it (left/right; smaller crops: a harder task)."""
     from sklearn.datasets import load_sample_images
 
     photos = [torch.from_numpy(im.astype(np.float32) / 255.0).permute(2, 0, 1)
@@ -204,11 +192,14 @@ def sample_photo_crops(n: int = 48, *, size: int = 96, seed: int = 0):
     std = torch.tensor([0.229, 0.224, 0.225])[:, None, None]
     xs, ys = [], []
     for i in range(n):
-        label = i % 2
-        photo = photos[label]
-        side = int(torch.randint(120, 300, (1,), generator=gen))
+        label = i % classes
+        photo = photos[label % 2]
+        width = photo.shape[2] if classes == 2 else photo.shape[2] // 2
+        offset = 0 if classes == 2 else (label // 2) * width
+        low, high = (120, 300) if classes == 2 else (60, 160)
+        side = int(torch.randint(low, high, (1,), generator=gen))
         top = int(torch.randint(0, photo.shape[1] - side, (1,), generator=gen))
-        left = int(torch.randint(0, photo.shape[2] - side, (1,), generator=gen))
+        left = offset + int(torch.randint(0, width - side, (1,), generator=gen))
         crop = photo[:, top:top + side, left:left + side][None]
         crop = F.interpolate(crop, size=(size, size), mode="bilinear", align_corners=False)[0]
         xs.append((crop - mean) / std)
@@ -217,13 +208,14 @@ def sample_photo_crops(n: int = 48, *, size: int = 96, seed: int = 0):
 
 
 def lite0(*, n_train: int = 48, n_val: int = 32, size: int = 96, seed: int = 0,
-          batch_size: int = 16):
-    """Lite0 (ImageNet weights) with a 2-class head fitted on frozen features of photo crops."""
+          batch_size: int = 16, classes: int = 2):
+    """Lite0 (ImageNet weights) with a ``classes``-way head fitted on frozen features of
+    photo crops (see :func:`sample_photo_crops`)."""
     torch.manual_seed(seed)
     model = lite0_imagenet()
-    x, y = sample_photo_crops(n_train, size=size, seed=seed)
-    xv, yv = sample_photo_crops(n_val, size=size, seed=seed + 1000)
-    model.reset_classifier(2)
+    x, y = sample_photo_crops(n_train, size=size, seed=seed, classes=classes)
+    xv, yv = sample_photo_crops(n_val, size=size, seed=seed + 1000, classes=classes)
+    model.reset_classifier(classes)
     with torch.no_grad():
         feats = model.forward_head(model.forward_features(x), pre_logits=True)
     head = model.get_classifier()
