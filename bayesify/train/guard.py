@@ -235,7 +235,8 @@ def recover(state: Any, where: str, what: str, *, after_update: bool = False) ->
     before = _rates(optimizer.param_groups)
     if guard.anchor_step is None and state.global_step == 0 and not guard.recoveries:
         guard.keep_anchor(params, 0, None)  # nothing has changed yet: the start is sane
-    if len(guard.recoveries) >= MAX_RECOVERIES or not guard.rollback_to_anchor(params):
+    restored = guard.rollback_to_anchor(params)  # also when giving up: the last sane state
+    if len(guard.recoveries) >= MAX_RECOVERIES or not restored:
         tried = ("; ".join(guard.recoveries) if guard.recoveries
                  else "no recovery (no earlier sane state to go back to)")
         raise NonFiniteLossError(
