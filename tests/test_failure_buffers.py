@@ -95,7 +95,7 @@ def test_a_huge_batch_is_undone_and_the_fit_goes_on(data, method, options, caplo
     with caplog.at_level("WARNING", logger="bayesify.train.guard"):
         fit(bnn, loader(x, y), epochs=2, **OPTS)
     said = [r.getMessage() for r in caplog.records if r.name == "bayesify.train.guard"]
-    assert len(said) == 2 and all("running_var" in m and "halved" in m for m in said), said
+    assert len(said) == 2 and all("halved the learning rate" in m for m in said), said
     assert f"{method}:" in said[0] and "epoch 0, step 2" in said[0] and "epoch 1, step 2" in said[1]
     assert all_usable(bnn)
     assert bool(torch.isfinite(bnn.predictor()(x[:8]).probs).all())
@@ -116,8 +116,7 @@ def test_a_huge_batch_never_reaches_a_checkpoint(data, tmp_path):
     bnn = make()
     fit(bnn, loader(x, y), epochs=1, checkpoint_dir=tmp_path, checkpoint_every_steps=1, **OPTS)
     files = C.list_checkpoints(tmp_path)
-    assert [p.name for p in files][:2] == ["epoch0000-step00000001.ckpt",
-                                           "epoch0000-step00000002.ckpt"]
+    assert files and files[-1].name.startswith("epoch0001")  # the epoch's end, after step 2
     for path in files:
         payload = C.load_checkpoint(path)
         assert not any(unusable(t) for t in payload["buffers"].values())

@@ -53,7 +53,7 @@ def finite_posterior(bnn) -> bool:
 @pytest.fixture(scope="module")
 def loud_cnn():
     """BatchNorm after every conv, Dropout before the head, AdamW wd 0.5, logits × 20."""
-    return bn_cnn(size=8, steps=120, logit_scale=20.0, n_train=160, batch_size=16)
+    return bn_cnn(size=8, steps=60, logit_scale=20.0, n_train=160, batch_size=16)
 
 
 @pytest.mark.parametrize("method", ["rank1", "batchensemble", "ibnn"])

@@ -98,6 +98,7 @@ class GuardedStep:
         self.ctx = SimpleNamespace(is_main=True, distributed=False)
         self.guard = StepGuard(bnn)
         self.guard.begin()
+        self.guard.keep_anchor(self.trainable(), 0)
 
     def trainable(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -112,6 +113,7 @@ class GuardedStep:
             self.scheduler.base_lrs = [b * new / old if old else b for b, new, old in zip(
                 self.scheduler.base_lrs, [g["lr"] for g in self.optimizer.param_groups], halved)]
         self.guard.begin()  # buffers the next forward may change
+        self.guard.keep_anchor(self.trainable(), self.global_step)
         return ok
 
     def _step(self, value: float, where: str) -> bool:
@@ -124,7 +126,6 @@ class GuardedStep:
         if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())):
             recover(self, where, f"non-finite gradient (loss={value:.4g})")
             return False
-        guard.keep_anchor(params, self.global_step, value)
         if self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
         guard.before_update(params)
@@ -134,5 +135,6 @@ class GuardedStep:
         if bad is not None:
             recover(self, where, bad, after_update=True)
             return False
+        guard.succeeded(value)
         self.global_step += 1
         return True

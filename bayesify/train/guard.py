@@ -11,6 +11,7 @@ statistic while the loss stays finite. The guard:
    buffers the forward can change (those of modules in training mode, unless a
    module declares ``bayesify_guard_buffers = False`` because only the family's
    post-step hook writes them, e.g. SWAG's moments);
+   and, every :data:`ANCHOR_EVERY` steps, the anchor (below);
 2. :meth:`StepGuard.before_update` — copy the trainable tensors before ``optimizer.step()``;
 3. :meth:`StepGuard.check` — names of guarded tensors that are non-finite or absurd
    (:func:`unusable`: beyond ``finfo.max / 2**20`` for fp32/fp64/bf16, where any
@@ -97,6 +98,7 @@ class StepGuard:
         self.anchor_buffer_copies: list[torch.Tensor] = []
         self.anchor_step: int | None = None
         self.reference: float | None = None
+        self.healthy = True
         self.recoveries: list[str] = []
 
     def begin(self) -> None:
@@ -119,17 +121,22 @@ class StepGuard:
         """Whether a finite ``loss`` is a divergence (``BLOW_UP`` × the reference)."""
         return self.reference is not None and loss > BLOW_UP * max(self.reference, 1.0)
 
-    def keep_anchor(self, params: list[torch.Tensor], step: int, loss: float | None) -> None:
-        """Before the update of optimiser step ``step`` (loss finite, not blown up): copy the
-        trainable tensors and buffers when the anchor is ``ANCHOR_EVERY`` steps old."""
-        if self.anchor_step is not None and step - self.anchor_step < ANCHOR_EVERY:
+    def keep_anchor(self, params: list[torch.Tensor], step: int) -> None:
+        """Before the forward of optimiser step ``step``: copy the trainable tensors and every
+        buffer when the anchor is ``ANCHOR_EVERY`` steps old and the last step succeeded."""
+        if self.anchor_step is not None and (step - self.anchor_step < ANCHOR_EVERY
+                                             or not self.healthy):
             return
-        if self.reference is None and loss is not None:
-            self.reference = loss
         self.anchor_params = list(params)
         self.anchor_param_copies = _copy_into(self.anchor_param_copies, self.anchor_params)
         self.anchor_buffer_copies = _copy_into(self.anchor_buffer_copies, list(self.bnn.buffers()))
         self.anchor_step = step
+
+    def succeeded(self, loss: float) -> None:
+        """A step was kept: its loss becomes the reference of :meth:`blown_up` (the first)."""
+        self.healthy = True
+        if self.reference is None:
+            self.reference = loss
 
     def rollback_to_anchor(self, params: list[torch.Tensor]) -> bool:
         """Put the anchor back (False when there is none for these tensors)."""
@@ -233,8 +240,7 @@ def recover(state: Any, where: str, what: str, *, after_update: bool = False) ->
         guard.rollback_buffers()  # the forward may have poisoned BN statistics
     family = state.bnn.method_name
     before = _rates(optimizer.param_groups)
-    if guard.anchor_step is None and state.global_step == 0 and not guard.recoveries:
-        guard.keep_anchor(params, 0, None)  # nothing has changed yet: the start is sane
+    guard.healthy = False
     restored = guard.rollback_to_anchor(params)  # also when giving up: the last sane state
     if len(guard.recoveries) >= MAX_RECOVERIES or not restored:
         tried = ("; ".join(guard.recoveries) if guard.recoveries

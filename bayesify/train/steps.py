@@ -134,7 +134,9 @@ def train_step(state: TrainState, batch: Batch | torch.Tensor,
         group["lr"] = base * lr_factor(progress, schedule, epochs=state.epochs)
     if state.step % state.grad_accum_steps == 0:
         state.family.before_update(state)
-        step_guard(state).begin()  # buffers the forward may change (BatchNorm statistics)
+        guard = step_guard(state)
+        guard.begin()  # buffers the forward may change (BatchNorm statistics)
+        guard.keep_anchor(state.trainable(), state.global_step)  # what a recovery goes back to
     sync = (state.ddp.no_sync() if state.ddp is not None and not closes  # type: ignore[operator]
             else contextlib.nullcontext())
     with sync:
@@ -182,7 +184,6 @@ def _optimizer_step(state: TrainState, beta: float, batch_index: int) -> dict[st
     if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())):
         recover(state, where, f"non-finite gradient (loss={loss:.4g})")
         return None
-    guard.keep_anchor(params, state.global_step, loss)
     if state.clip_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, state.clip_grad_norm)
     guard.before_update(params)
@@ -192,6 +193,7 @@ def _optimizer_step(state: TrainState, beta: float, batch_index: int) -> dict[st
     if bad is not None:
         recover(state, where, bad, after_update=True)
         return None
+    guard.succeeded(loss)
     state.global_step += 1
     state.family.after_update(state)
     return {"loss": loss, "nll": nll, "kl": kl, "beta": beta}
