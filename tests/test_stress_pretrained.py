@@ -308,3 +308,17 @@ def test_real_lite0_ibnn_starts_at_the_pretrained_accuracy():
     bnn = bayesify.bayesify(model, method="ibnn").eval()
     acc, nll, _ = bnn_metrics(bnn, val)
     assert acc >= acc0 - 2.0 / n and math.isfinite(nll)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_recover_together(tmp_path):
+    """A NaN on rank 1 only: both ranks roll back and halve the rate, and stay identical."""
+    from test_ddp import ROOT, torchrun
+
+    proc = torchrun(ROOT / "tests" / "ddp_scripts" / "fit_recover.py", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("halved the learning rate") == 1  # rank 0 speaks, once
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert ranks[0]["lr"] == ranks[1]["lr"] == pytest.approx(0.1)
+    for name, tensor in ranks[0]["posterior"].items():
+        assert torch.isfinite(tensor).all() and torch.equal(tensor, ranks[1]["posterior"][name])
