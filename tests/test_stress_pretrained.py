@@ -69,13 +69,22 @@ def test_multiplicative_families_are_stable_on_large_logits(loud_cnn, method, ca
 
 
 # -- 4. SWAG keeps what a BatchNorm subclass does after normalising -------------------------
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's ``BatchNormAct2d`` in miniature (EfficientNet, MobileNet): the normalisation,
+    then ``drop`` and the activation, inside one BatchNorm module."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__(features)
+        self.drop, self.act = nn.Identity(), nn.ReLU6()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(x)))
+
+
 def test_swag_batchnorm_keeps_the_activation_of_batchnorm_act():
-    timm_layers = pytest.importorskip("timm.layers")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False),
-                          timm_layers.BatchNormAct2d(8, act_layer=nn.ReLU6),
-                          nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False),
-                          timm_layers.BatchNormAct2d(8, act_layer=nn.ReLU6),
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), BatchNormAct2d(8),
+                          nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), BatchNormAct2d(8),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
     with torch.no_grad():
         for m in model.modules():
@@ -89,10 +98,8 @@ def test_swag_batchnorm_keeps_the_activation_of_batchnorm_act():
 
 
 def test_member_batchnorm_keeps_the_activation_of_batchnorm_act():
-    timm_layers = pytest.importorskip("timm.layers")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False),
-                          timm_layers.BatchNormAct2d(8, act_layer=nn.ReLU6),
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), BatchNormAct2d(8),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
     with torch.no_grad():
         model[1].running_var.fill_(0.01)
