@@ -35,9 +35,8 @@ class IBNNConfig(MethodConfig):
         "the depth (σ0 per layer compounded over EfficientNet-Lite0's ~50 layers to 0.93 → "
         "0.62 accuracy before any step; the paper's 0.5 is meant for training from scratch).")
     init_std: tuple[float, float] = option(
-        (0.05, 0.02), "(mean, std): softplus(ρ) starts at |N(mean, std²)|/√L with L the number of "
-        "wrapped layers (the paper's values for the whole network: 5 per cent multiplicative "
-        "noise, small next to the prior's 10 per cent; per layer they compound with depth).")
+        (0.05, 0.02), "(mean, std): softplus(ρ) starts at |N(mean, std²)| (the paper's values: "
+        "5 per cent multiplicative noise, small next to the prior's 10 per cent).")
     learn_std: bool = option(
         True, "Train the noise stds (what makes the posterior Bayesian); False keeps them at "
         "their init.")

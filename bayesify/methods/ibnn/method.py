@@ -12,7 +12,6 @@ from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Step
 from bayesify.core.method import wrapper_table
 from bayesify.kit.family import NoiseFamily
-from bayesify.kit.gaussian import inverse_softplus
 from bayesify.kit.knobs import SpreadKnob
 from bayesify.kit.steps import ElboStep, RoundRobin
 from bayesify.methods.ibnn.config import IBNNConfig
@@ -37,8 +36,8 @@ class IBNNMethod(SpreadKnob, NoiseFamily):
 
     def build(self, model: nn.Module, targets: list[str],
               context: SamplingContext) -> dict[str, nn.Module]:
-        """The node-noise wrappers, with the initial spread divided by √L (L wrapped layers):
-        the component means' offsets from ``init_mean`` and the initial noise stds.
+        """The node-noise wrappers, with the initial spread of the component means (their
+        offsets from ``init_mean``) divided by √L (L wrapped layers).
 
         Each layer perturbs the function independently, so L layers of spread σ move the
         logits like one layer of σ·√L: σ0 = 0.1 per layer over EfficientNet-Lite0's 50
@@ -56,7 +55,6 @@ class IBNNMethod(SpreadKnob, NoiseFamily):
             with torch.no_grad():
                 for layer in nodes:
                     layer.mean.sub_(centre).mul_(shrink).add_(centre)
-                    layer.rho.copy_(inverse_softplus(layer.std * shrink, floor=1e-8))
         return layers
 
     def step(self) -> Step:
