@@ -43,7 +43,7 @@ class BatchEnsembleMethod(MemberTemperature, TiledMethod):
     wrappers: ClassVar = wrapper_table(BatchEnsembleLayer)
 
     def step(self) -> Step:
-        # lr: r, s are O(1) multipliers whatever the network; the mean loss over K tiled
+        # lr: r, s are O(1) multipliers; the mean loss over K tiled
         # copies gives each member 1/K of its gradient, so the step is scaled by K
         # clip_grad_norm 1: the factors are O(1) but their gradient is not — it scales with
         # the logits (×20 logits: gradient ×20, so one step at this lr multiplied channels

@@ -59,8 +59,7 @@ class IBNNMethod(SpreadKnob, NoiseFamily):
 
     def step(self) -> Step:
         # lr: the paper's variational LR for pretrained ResNet-50 (large, constant, no
-        # weight decay): the means and ρ are O(1) multipliers whatever the network, so
-        # one step size fits every network
+        # weight decay): the means and ρ are O(1) multipliers
         # clip_grad_norm 1: the factors are O(1) but their gradient is not — it scales with
         # the logits (×20 logits: gradient ×20, so one step at this lr multiplied channels
         # by 5 and the loss reached 1e20 in 3 steps: rank1's KL 6.6e29, batchensemble's

@@ -52,7 +52,7 @@ class MNFMethod(SpreadKnob, NoiseFamily):
 
     def step(self) -> Step:
         # lr: iBNN's: z, its flow and σ's softplus parameters are O(1) multipliers and
-        # log-scales whatever the network, so one SGD step size fits every network; the
+        # log-scales; the
         # base weights (the mean of q(W|z)) stay frozen unless base_lr > 0
         # clip_grad_norm 1: the factors are O(1) but their gradient is not — it scales with
         # the logits (×20 logits: gradient ×20, so one step at this lr multiplied channels

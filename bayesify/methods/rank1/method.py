@@ -45,7 +45,7 @@ class Rank1Method(SpreadKnob, TiledMethod):
     wrappers: ClassVar = wrapper_table(Rank1Layer)
 
     def step(self) -> Step:
-        # lr: r, s and ρ are O(1) multipliers whatever the network; each member's factors
+        # lr: r, s and ρ are O(1) multipliers; each member's factors
         # get 1/K of the mean loss's gradient, so the step is scaled by K
         # clip_grad_norm 1: the factors are O(1) but their gradient is not — it scales with
         # the logits (×20 logits: gradient ×20, so one step at this lr multiplied channels
