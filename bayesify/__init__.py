@@ -22,7 +22,12 @@ from bayesify.errors import BayesifyError, ModelOutputError, NonFiniteLossError
 from bayesify.persistence import load_posterior
 from bayesify.predict import BasePredictor, EnsemblePredictor, ModelPredictor, Prediction
 from bayesify.train import fit
-from bayesify.train.custom_loop import param_groups, posterior_lr, posterior_optimizer
+from bayesify.train.custom_loop import (
+    GuardedStep,
+    param_groups,
+    posterior_lr,
+    posterior_optimizer,
+)
 from bayesify.train.loss import LossTerms, elbo_loss
 from bayesify.train.tuning import tune
 from bayesify.version import __version__
@@ -47,6 +52,7 @@ __all__ = [
     "BayesifyError",
     "EnsemblePredictor",
     "FitContext",
+    "GuardedStep",
     "Knob",
     "LossTerms",
     "MethodConfig",

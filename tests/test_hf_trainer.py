@@ -79,7 +79,10 @@ def test_readme_trainer_recipe_runs_end_to_end(tmp_path, monkeypatch):
     exec("trainer.train()" + after_train, scope)  # noqa: S102
 
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-    assert len(losses) == 6 and losses[-1] < 0.95 * losses[0], losses  # the posterior moves
+    # the loss is ~99 % KL/N; it used to fall 5 % in 6 steps only because the component
+    # means started 0.1 per layer from 1 (a spread the KL collapsed first); with the spread
+    # per network (÷√L) the loss does not rise, and the posterior moves (below)
+    assert len(losses) == 6 and losses[-1] <= losses[0], losses
     moved = max((p - start[n]).abs().max().item() for n, p in bnn.named_posterior_parameters())
     assert moved > 1e-2
     group = trainer.optimizer.param_groups[0]  # the family's LR, not args.learning_rate

@@ -30,6 +30,11 @@ on a :class:`~bayesify.core.model.BayesianModel`):
 - **inputs**: columns are kept or dropped by the *wrapped* model's ``forward``
   signature and labels are read from ``labels`` (``BayesianModel.forward`` takes
   ``*args, **kwargs``, which would otherwise drop every column and find no labels);
+- **divergence**: a non-finite ELBO raises :class:`~bayesify.errors.NonFiniteLossError`
+  (from :func:`bayesify.elbo_loss`) naming the family and what to do, never a silent NaN;
+  ``args.max_grad_norm`` (1 by default) clips as ``fit`` does for the multiplicative
+  families. A loop of your own gets ``fit``'s recovering guard from
+  :class:`bayesify.GuardedStep`;
 - **saving**: ``save_model`` also writes the posterior (``posterior.safetensors`` +
   ``bayesify.json``), so ``bayesify.load_posterior(base_model, output_dir)`` works.
 

@@ -20,6 +20,20 @@ from bayesify.core.layers import BayesianLayer, broadcast_rows
 BATCHNORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
 
 
+def batchnorm_epilogue(base: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """What a BatchNorm subclass does after the normalisation: timm's ``BatchNormAct2d``
+    (EfficientNet, MobileNet, …) applies its ``drop`` and its activation inside the same
+    module, so a wrapper that re-implements the normalisation must apply them too
+    (dropping them turned ReLU6 networks into unbounded ones: EfficientNet-Lite0's
+    logits reached 1e15). Plain ``_BatchNorm`` modules have neither: ``out`` unchanged."""
+    drop, act = getattr(base, "drop", None), getattr(base, "act", None)
+    if isinstance(drop, nn.Module):
+        out = drop(out)
+    if isinstance(act, nn.Module):
+        out = act(out)
+    return out
+
+
 class MemberBatchNorm(BayesianLayer):
     """Per-member BatchNorm: ``y = (x − μ_k) / sqrt(σ²_k + eps) · γ_k + β_k`` for row's member k.
 
@@ -56,13 +70,13 @@ class MemberBatchNorm(BayesianLayer):
         """``x [R, C, *spatial]`` → same shape; row r normalised by member ``comp[r]``."""
         comp = self.context.components_for(x.shape[0], x.device)
         if self.base_layer.training:
-            return self._batch_stats_forward(x, comp)
+            return batchnorm_epilogue(self.base_layer, self._batch_stats_forward(x, comp))
         # frozen statistics: BN is a per-channel affine map, gathered per row
         scale = self.member_weight * torch.rsqrt(self.member_running_var + self.eps)  # [K, C]
         shift = self.member_bias - self.member_running_mean * scale
         scale = broadcast_rows(scale.index_select(0, comp), x, 1).to(x.dtype)
         shift = broadcast_rows(shift.index_select(0, comp), x, 1).to(x.dtype)
-        return torch.addcmul(shift, x, scale)
+        return batchnorm_epilogue(self.base_layer, torch.addcmul(shift, x, scale))
 
     def _batch_stats_forward(self, x: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
         """Each member normalises its own rows and updates its own running statistics."""

@@ -17,11 +17,14 @@ a fine-tuning LR such as the Trainer's 5e-5 leaves the posterior where it starte
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bayesify.errors import BayesifyError
+from bayesify.train.guard import StepGuard, recover, unusable_step
 from bayesify.train.loop import FIT_FALLBACKS
 from bayesify.train.steps import optimiser_groups
 
@@ -63,3 +66,75 @@ def posterior_optimizer(bnn: BayesianModel, *, lr: float | None = None, base_lr:
     if kind in ("adam", "adamw"):
         return (torch.optim.Adam if kind == "adam" else torch.optim.AdamW)(groups, lr=first)
     raise BayesifyError(f"unknown optimizer {kind!r}; use 'sgd', 'adam' or 'adamw'")
+
+
+class GuardedStep:
+    """The step guard of ``fit`` for a loop of your own: a step that produces a non-finite
+    loss or gradient, a diverging loss or unusable values is undone, the learning rate of
+    every group halved (a warning says so) and the loop goes on;
+    :class:`~bayesify.errors.NonFiniteLossError` after
+    :data:`~bayesify.train.guard.MAX_RECOVERIES` recoveries::
+
+        opt = bayesify.posterior_optimizer(bnn)
+        guard = bayesify.GuardedStep(bnn, opt, clip_grad_norm=1.0)
+        for batch in loader:
+            loss = bayesify.elbo_loss(bnn, batch, n_train=N, check_finite=False).loss
+            loss.backward()
+            guard.step(loss)          # False: the step was undone and the lr halved
+
+    ``step`` calls ``optimizer.step()`` and ``zero_grad()`` itself. Single process (under
+    ``torchrun`` use ``bayesify.fit``, whose ranks agree on every recovery). A learning-rate
+    scheduler that rewrites ``group["lr"]`` from its own base rates (``LambdaLR``) should be
+    given as ``scheduler=``: its base rates are halved too.
+    """
+
+    def __init__(self, bnn: BayesianModel, optimizer: torch.optim.Optimizer, *,
+                 clip_grad_norm: float | None = None, scheduler: Any = None) -> None:
+        self.bnn, self.optimizer, self.scheduler = bnn, optimizer, scheduler
+        self.clip_grad_norm = clip_grad_norm
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.global_step = 0
+        self.epoch = 0
+        self.ctx = SimpleNamespace(is_main=True, distributed=False)
+        self.guard = StepGuard(bnn)
+        self.guard.begin()
+        self.guard.keep_anchor(self.trainable(), 0)
+
+    def trainable(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def step(self, loss: torch.Tensor | float) -> bool:
+        """After ``loss.backward()``: the optimiser step, or its recovery (``False``)."""
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        where = f"custom-loop step {self.global_step}"
+        halved = [g["lr"] for g in self.optimizer.param_groups]
+        ok = self._step(value, where)
+        if not ok and self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+            self.scheduler.base_lrs = [b * new / old if old else b for b, new, old in zip(
+                self.scheduler.base_lrs, [g["lr"] for g in self.optimizer.param_groups], halved)]
+        self.guard.begin()  # buffers the next forward may change
+        self.guard.keep_anchor(self.trainable(), self.global_step)
+        return ok
+
+    def _step(self, value: float, where: str) -> bool:
+        guard, params = self.guard, self.trainable()
+        if not math.isfinite(value) or guard.blown_up(value):
+            recover(self, where, f"{'non-finite' if not math.isfinite(value) else 'diverging'} "
+                    f"loss ({value:.4g})")
+            return False
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())):
+            recover(self, where, f"non-finite gradient (loss={value:.4g})")
+            return False
+        if self.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
+        guard.before_update(params)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        bad = unusable_step(self, value, params)
+        if bad is not None:
+            recover(self, where, bad, after_update=True)
+            return False
+        guard.succeeded(value)
+        self.global_step += 1
+        return True

@@ -11,12 +11,29 @@ statistic while the loss stays finite. The guard:
    buffers the forward can change (those of modules in training mode, unless a
    module declares ``bayesify_guard_buffers = False`` because only the family's
    post-step hook writes them, e.g. SWAG's moments);
+   and, every :data:`ANCHOR_EVERY` steps, the anchor (below);
 2. :meth:`StepGuard.before_update` — copy the trainable tensors before ``optimizer.step()``;
 3. :meth:`StepGuard.check` — names of guarded tensors that are non-finite or absurd
    (:func:`unusable`: beyond ``finfo.max / 2**20`` for fp32/fp64/bf16, where any
    further arithmetic overflows);
 4. :meth:`StepGuard.rollback` — put everything back, so the model in memory is the
    last usable one when :class:`~bayesify.errors.NonFiniteLossError` is raised.
+
+A step that fails is *recovered* before anything is raised (:func:`recover`): a
+divergence builds over a few steps (an overflowing factor grows ×10–×1000 per step
+before the loss turns NaN), so the guard keeps an *anchor* — the trainable tensors and
+every buffer of the last sane state, refreshed every :data:`ANCHOR_EVERY` optimiser
+steps while the loss stays within :data:`BLOW_UP` of the loss at the first anchor —
+and a failed step (non-finite loss or gradient, a loss :data:`BLOW_UP` times the
+reference, a step that left unusable values) puts the anchor back, clears the
+optimiser state (momenta carry the divergence), halves the learning rate of every
+optimiser group (the family's posterior groups and, with ``base_lr > 0``, the base),
+logs a warning naming the family, the step and the new rates, and goes on with the
+next batch. :class:`~bayesify.errors.NonFiniteLossError` is raised only after
+:data:`MAX_RECOVERIES` recoveries, naming what was tried. Under DDP every input to
+the decision is the same on every rank (the all-reduced loss and gradients; the
+"unusable after the step" flag is summed over the ranks), so all ranks recover
+together.
 
 Checkpoint and posterior writers refuse unusable tensors in *every* section
 (parameters, buffers, optimiser state), whatever the guard copied.
@@ -25,6 +42,7 @@ Checkpoint and posterior writers refuse unusable tensors in *every* section
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +54,16 @@ from bayesify.errors import NonFiniteLossError
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
-__all__ = ["StepGuard", "step_guard", "unusable", "unusable_names"]
+__all__ = ["MAX_RECOVERIES", "StepGuard", "recover", "step_guard", "unusable", "unusable_names"]
+
+logger = logging.getLogger(__name__)
+
+#: recoveries (roll back + halve the learning rate) before NonFiniteLossError
+MAX_RECOVERIES = 6
+#: optimiser steps between refreshes of the anchor (the state a recovery goes back to)
+ANCHOR_EVERY = 20
+#: a loss this many times the reference (the first anchor's, at least 1) is a divergence
+BLOW_UP = 1e3
 
 def unusable_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of the unusable tensors of ``(name, tensor)`` pairs."""
@@ -65,6 +92,14 @@ class StepGuard:
         self.buffer_copies: list[torch.Tensor] = []
         self.params: list[torch.Tensor] = []
         self.param_copies: list[torch.Tensor] = []
+        # the anchor of recoveries: trainable tensors and every buffer of the last sane state
+        self.anchor_params: list[torch.Tensor] = []
+        self.anchor_param_copies: list[torch.Tensor] = []
+        self.anchor_buffer_copies: list[torch.Tensor] = []
+        self.anchor_step: int | None = None
+        self.reference: float | None = None
+        self.healthy = True
+        self.recoveries: list[str] = []
 
     def begin(self) -> None:
         """Copy the guarded buffers (before the forward of an accumulation group)."""
@@ -81,6 +116,41 @@ class StepGuard:
         bad = [(names or {}).get(id(p), f"trainable tensor #{i}")
                for i, p in enumerate(params) if unusable(p)]
         return bad + [f"buffer {n}" for n, b in self.buffers if unusable(b)]
+
+    def blown_up(self, loss: float) -> bool:
+        """Whether a finite ``loss`` is a divergence (``BLOW_UP`` × the reference)."""
+        return self.reference is not None and loss > BLOW_UP * max(self.reference, 1.0)
+
+    def keep_anchor(self, params: list[torch.Tensor], step: int) -> None:
+        """Before the forward of optimiser step ``step``: copy the trainable tensors and every
+        buffer when the anchor is ``ANCHOR_EVERY`` steps old and the last step succeeded."""
+        if self.anchor_step is not None and (step - self.anchor_step < ANCHOR_EVERY
+                                             or not self.healthy):
+            return
+        self.anchor_params = list(params)
+        self.anchor_param_copies = _copy_into(self.anchor_param_copies, self.anchor_params)
+        self.anchor_buffer_copies = _copy_into(self.anchor_buffer_copies, list(self.bnn.buffers()))
+        self.anchor_step = step
+
+    def succeeded(self, loss: float) -> None:
+        """A step was kept: its loss becomes the reference of :meth:`blown_up` (the first)."""
+        self.healthy = True
+        if self.reference is None:
+            self.reference = loss
+
+    def rollback_to_anchor(self, params: list[torch.Tensor]) -> bool:
+        """Put the anchor back (False when there is none for these tensors)."""
+        if self.anchor_step is None or [id(p) for p in params] != [id(p) for p in self.anchor_params]:
+            return False
+        buffers = list(self.bnn.buffers())
+        if len(buffers) != len(self.anchor_buffer_copies):
+            return False
+        with torch.no_grad():
+            for p, copy in zip(self.anchor_params, self.anchor_param_copies):
+                p.copy_(copy)
+            for b, copy in zip(buffers, self.anchor_buffer_copies):
+                b.copy_(copy)
+        return True
 
     def rollback_buffers(self) -> None:
         with torch.no_grad():
@@ -134,15 +204,62 @@ def parameter_names(bnn: BayesianModel) -> dict[int, str]:
     return {id(p): n for n, p in bnn.named_parameters()}
 
 
-def refuse_unusable_step(state: Any, where: str, loss: float, params: list[torch.Tensor]) -> None:
-    """After ``optimizer.step()``: roll back and raise when anything guarded is unusable."""
+def unusable_step(state: Any, loss: float, params: list[torch.Tensor]) -> str | None:
+    """After ``optimizer.step()``: what the step left unusable (``None`` when nothing), the
+    same answer on every rank (the flag is summed over the ranks)."""
+    from bayesify.train.distributed import all_reduce_sum  # same floor (train)
+
     guard = step_guard(state)
     bad = guard.check(params, parameter_names(state.bnn))
-    if bad:
-        guard.rollback()
+    ctx = getattr(state, "ctx", None)
+    if ctx is not None and ctx.distributed:
+        flag = torch.tensor([float(bool(bad))], device=ctx.device)
+        if float(all_reduce_sum(flag, ctx)) > 0 and not bad:
+            bad = ["(on another rank)"]
+    if not bad:
+        return None
+    return (f"the optimiser step made the posterior non-finite (NaN/inf or overflowing values "
+            f"in {bad[:5]}{'…' if len(bad) > 5 else ''}; loss was {loss:.4g})")
+
+
+def _rates(groups: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{g.get('name', f'group {i}')} {g['lr']:.3g}" for i, g in enumerate(groups))
+
+
+def recover(state: Any, where: str, what: str, *, after_update: bool = False) -> None:
+    """A failed step (``what`` happened at ``where``): roll back, halve every optimiser
+    group's learning rate and go on — or raise :class:`NonFiniteLossError` after
+    :data:`MAX_RECOVERIES` recoveries (or when there is nothing sane to go back to)."""
+    guard = step_guard(state)
+    optimizer = state.optimizer
+    optimizer.zero_grad(set_to_none=True)
+    params = state.trainable()
+    if after_update:
+        guard.rollback()  # the step's own update and the forward's buffers
+    else:
+        guard.rollback_buffers()  # the forward may have poisoned BN statistics
+    family = state.bnn.method_name
+    before = _rates(optimizer.param_groups)
+    guard.healthy = False
+    restored = guard.rollback_to_anchor(params)  # also when giving up: the last sane state
+    if len(guard.recoveries) >= MAX_RECOVERIES or not restored:
+        tried = ("; ".join(guard.recoveries) if guard.recoveries
+                 else "no recovery (no earlier sane state to go back to)")
         raise NonFiniteLossError(
-            f"the optimiser step at {where} made the posterior non-finite (NaN/inf or "
-            f"overflowing values in {bad[:5]}{'…' if len(bad) > 5 else ''}; loss was "
-            f"{loss:.4g}); the trainable tensors and buffers before that step were restored. "
-            "Lower the learning rate, set clip_grad_norm, or check the inputs for absurd values"
-        )
+            f"{what} at {where}, after {len(guard.recoveries)} recoveries of method "
+            f"{family!r} (each rolled back to the last sane posterior, cleared the optimiser "
+            f"state and halved the learning rate): {tried}. Learning rates now: {before}. The "
+            "posterior and buffers in memory are the last finite ones; check the inputs for "
+            "NaN/inf or absurd values, set clip_grad_norm, or start from a much lower lr")
+    optimizer.state.clear()  # momenta carry the divergence
+    state.base_lrs = [lr * 0.5 for lr in state.base_lrs]
+    for group in optimizer.param_groups:
+        group["lr"] *= 0.5
+    after = _rates(optimizer.param_groups)
+    guard.recoveries.append(f"{where}: {what.split(' (')[0]}; lr {before} → {after}")
+    if state.ctx.is_main:
+        logger.warning(
+            "%s: %s at %s; rolled back to the posterior of optimiser step %d, cleared the "
+            "optimiser state and halved the learning rate: %s → %s (recovery %d of at most %d)",
+            family, what, where, guard.anchor_step, before, after, len(guard.recoveries),
+            MAX_RECOVERIES)

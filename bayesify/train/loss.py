@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify.core.batch import BatchFn, split_batch
-from bayesify.errors import BayesifyError
+from bayesify.errors import BayesifyError, NonFiniteLossError
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -56,12 +56,26 @@ def nll_and_kl(bnn: BayesianModel, inputs: Any, labels: torch.Tensor,
 
 def elbo_loss(bnn: BayesianModel, batch: Any, *, n_train: int, beta: float = 1.0,
               kl_weight: float = 1.0, batch_fn: BatchFn | None = None,
-              generator: torch.Generator | None = None) -> LossTerms:
-    """The loss ``fit`` minimises, for one batch of a custom training loop."""
+              generator: torch.Generator | None = None, check_finite: bool = True) -> LossTerms:
+    """The loss ``fit`` minimises, for one batch of a custom training loop.
+
+    ``check_finite``: a non-finite loss raises :class:`~bayesify.errors.NonFiniteLossError`
+    (what diverged and what to do) instead of handing a NaN to ``backward()``; pass
+    ``False`` when :class:`bayesify.GuardedStep` handles it (it undoes the step and
+    halves the learning rate)."""
     if isinstance(n_train, bool) or not isinstance(n_train, int) or n_train <= 0:
         raise BayesifyError(f"n_train must be the positive number of training examples, "
                             f"got {n_train!r}")
     parts = split_batch(batch, batch_fn).to(bnn.device)
     labels = parts.require_labels("elbo_loss")
     nll, kl = nll_and_kl(bnn, parts.model_input(), labels, generator)
+    if check_finite:
+        values = torch.stack([nll.detach(), kl.detach()])
+        if not bool(torch.isfinite(values).all()):
+            raise NonFiniteLossError(
+                f"elbo_loss of method {bnn.method_name!r} is non-finite (nll={float(nll):.4g}, "
+                f"kl={float(kl):.4g}): the inputs hold NaN/inf, or an earlier optimiser step "
+                "diverged and left the posterior non-finite. Lower the posterior learning rate, "
+                "clip the gradient norm (fit's families clip at 1), or let "
+                "bayesify.GuardedStep(bnn, optimizer) undo such steps and halve the rate")
     return LossTerms(loss=nll + beta * kl_weight * kl / n_train, nll=nll, kl=kl)

@@ -22,9 +22,9 @@ from torch import nn
 
 from bayesify.core.batch import Batch
 from bayesify.core.fitting import Step
-from bayesify.errors import BayesifyError, NonFiniteLossError
+from bayesify.errors import BayesifyError
 from bayesify.train.distributed import all_reduce_mean
-from bayesify.train.guard import refuse_unusable_step, step_guard
+from bayesify.train.guard import recover, step_guard, unusable_step
 from bayesify.train.intent import trainable_base_parameters
 from bayesify.train.schedules import beta_schedule, lr_factor
 
@@ -134,7 +134,9 @@ def train_step(state: TrainState, batch: Batch | torch.Tensor,
         group["lr"] = base * lr_factor(progress, schedule, epochs=state.epochs)
     if state.step % state.grad_accum_steps == 0:
         state.family.before_update(state)
-        step_guard(state).begin()  # buffers the forward may change (BatchNorm statistics)
+        guard = step_guard(state)
+        guard.begin()  # buffers the forward may change (BatchNorm statistics)
+        guard.keep_anchor(state.trainable(), state.global_step)  # what a recovery goes back to
     sync = (state.ddp.no_sync() if state.ddp is not None and not closes  # type: ignore[operator]
             else contextlib.nullcontext())
     with sync:
@@ -161,28 +163,37 @@ def _kl_weight(state: TrainState, group_start: int) -> float:
     return float(state.family.kl_weight(group_start // accum, total))
 
 
-def _optimizer_step(state: TrainState, beta: float, batch_index: int) -> dict[str, float]:
+def _optimizer_step(state: TrainState, beta: float, batch_index: int) -> dict[str, float] | None:
+    """The optimiser step of an accumulation group; ``None`` when the step failed and was
+    recovered (:func:`bayesify.train.guard.recover`: rolled back, learning rate halved)."""
     means = all_reduce_mean(torch.stack(state.pending).mean(0), state.ctx)
     state.pending.clear()
     loss, nll, kl = means.tolist()
     where = (f"epoch {state.epoch}, step {batch_index} (optimiser step {state.global_step}; "
              f"method {state.bnn.method_name!r})")
-    if not all(map(math.isfinite, (loss, nll, kl))):
-        state.optimizer.zero_grad(set_to_none=True)
-        step_guard(state).rollback_buffers()  # the forward may have poisoned BN statistics
-        raise NonFiniteLossError(
-            f"non-finite loss at {where}: nll={nll:.4g}, kl={kl:.4g}, beta={beta:.4g}, "
-            f"lr={state.optimizer.param_groups[0]['lr']:.4g}. The posterior and buffers in "
-            "memory are the last finite ones (no step was taken); lower the learning rate, "
-            "raise clip_grad_norm or check the inputs for NaN/inf"
-        )
+    guard = step_guard(state)
+    if not all(map(math.isfinite, (loss, nll, kl))) or guard.blown_up(loss):
+        rates = ", ".join(f"{g.get('name', i)} {g['lr']:.4g}"
+                          for i, g in enumerate(state.optimizer.param_groups))
+        recover(state, where, f"{'non-finite' if not math.isfinite(loss) else 'diverging'} "
+                f"loss (nll={nll:.4g}, kl={kl:.4g}, beta={beta:.4g}, lr: {rates})")
+        return None
     params = state.trainable()
+    grads = [p.grad for p in params if p.grad is not None]
+    # gradients are all-reduced already (DDP): every rank takes the same decision
+    if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())):
+        recover(state, where, f"non-finite gradient (loss={loss:.4g})")
+        return None
     if state.clip_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, state.clip_grad_norm)
-    step_guard(state).before_update(params)
+    guard.before_update(params)
     state.optimizer.step()
     state.optimizer.zero_grad(set_to_none=True)
-    refuse_unusable_step(state, where, loss, params)  # parameters and buffers, rolled back
+    bad = unusable_step(state, loss, params)
+    if bad is not None:
+        recover(state, where, bad, after_update=True)
+        return None
+    guard.succeeded(loss)
     state.global_step += 1
     state.family.after_update(state)
     return {"loss": loss, "nll": nll, "kl": kl, "beta": beta}

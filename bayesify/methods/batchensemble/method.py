@@ -43,10 +43,15 @@ class BatchEnsembleMethod(MemberTemperature, TiledMethod):
     wrappers: ClassVar = wrapper_table(BatchEnsembleLayer)
 
     def step(self) -> Step:
-        # lr: r, s are O(1) multipliers whatever the network; the mean loss over K tiled
+        # lr: r, s are O(1) multipliers; the mean loss over K tiled
         # copies gives each member 1/K of its gradient, so the step is scaled by K
+        # clip_grad_norm 1: the factors are O(1) but their gradient is not — it scales with
+        # the logits (×20 logits: gradient ×20, so one step at this lr multiplied channels
+        # by 5 and the loss reached 1e20 in 3 steps: rank1's KL 6.6e29, batchensemble's
+        # NaN NLL with KL 0, iBNN's NaN). Bounding the step's norm keeps the step size
+        # the lr promises whatever the network's logit scale; it rarely binds otherwise.
         return ElboStep(Tiled(self.components), lr=0.05 * self.components,
-                        groups=self.param_groups)
+                        groups=self.param_groups, defaults={"clip_grad_norm": 1.0})
 
     def param_groups(self, bnn: BayesianModel, *, lr: float, weight_decay: float) -> list[dict[str, Any]]:
         """Fast weights at ``lr · fast_lr_mult``; biases / per-member BN at ``lr``."""

@@ -121,11 +121,23 @@ def node_prior_kl(w: torch.Tensor, std: torch.Tensor, z: torch.Tensor, *, scale:
 def node_statistic_variance(w: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """``v [C]``: the variance of ``a_i = ⟨W_i, w_i⟩/‖w_i‖²`` under q(W|z) (inf for a node
     whose weights are all zero: W says nothing about it)."""
+    precision = node_statistic_precision(w, var)
+    return torch.where(precision > 0, 1.0 / precision, torch.full_like(precision, math.inf))
+
+
+def node_statistic_precision(w: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """``1/v [C]``, exactly 0 for a node whose weights are all zero (pruned channels of a
+    pretrained network, e.g. EfficientNet-Lite0's depthwise convolutions).
+
+    The bound is written with the precision, not ``v``: with ``v = inf`` the forward was
+    finite but the backward of ``1/(v·π̄)`` is ``inf/inf`` = NaN, which made the first
+    optimiser step write NaN into ``inverse.log_std`` of every such layer."""
     norm2 = w.pow(2).sum(1)
     alive = norm2 > torch.finfo(norm2.dtype).tiny
     safe = torch.where(alive, norm2, torch.ones_like(norm2))  # no 0/0 in the backward
-    v = (w.pow(2) * var).sum(1) / safe.pow(2)
-    return torch.where(alive, v, torch.full_like(v, math.inf))
+    spread = (w.pow(2) * var).sum(1)
+    precision = safe.pow(2) / torch.where(alive, spread, torch.ones_like(spread))
+    return torch.where(alive, precision, torch.zeros_like(precision))
 
 
 class InverseModel(nn.Module):
@@ -158,11 +170,11 @@ class InverseModel(nn.Module):
         """
         zb, logdet = self.flow(z)
         if self.use_nodes:
-            v = node_statistic_variance(w, var)
+            inv_v = node_statistic_precision(w, var)
             prior = torch.exp(-2.0 * self.log_std)
-            total = prior + 1.0 / v
-            mean = (prior * self.m + z / v) / total
-            terms = (0.5 * total * (zb - mean).pow(2) + 0.5 / (v * total)
+            total = prior + inv_v
+            mean = (prior * self.m + z * inv_v) / total
+            terms = (0.5 * total * (zb - mean).pow(2) + 0.5 * inv_v / total
                      - 0.5 * torch.log(total) + _HALF_LOG_2PI)
             return terms.sum(-1) - logdet
         if weights is None:

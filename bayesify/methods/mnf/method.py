@@ -52,6 +52,12 @@ class MNFMethod(SpreadKnob, NoiseFamily):
 
     def step(self) -> Step:
         # lr: iBNN's: z, its flow and σ's softplus parameters are O(1) multipliers and
-        # log-scales whatever the network, so one SGD step size fits every network; the
+        # log-scales; the
         # base weights (the mean of q(W|z)) stay frozen unless base_lr > 0
-        return ElboStep(RoundRobin(self.config.samples, 1), lr=0.2)
+        # clip_grad_norm 1: the factors are O(1) but their gradient is not — it scales with
+        # the logits (×20 logits: gradient ×20, so one step at this lr multiplied channels
+        # by 5 and the loss reached 1e20 in 3 steps: rank1's KL 6.6e29, batchensemble's
+        # NaN NLL with KL 0, iBNN's NaN). Bounding the step's norm keeps the step size
+        # the lr promises whatever the network's logit scale; it rarely binds otherwise.
+        return ElboStep(RoundRobin(self.config.samples, 1), lr=0.2,
+                        defaults={"clip_grad_norm": 1.0})

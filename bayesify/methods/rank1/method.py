@@ -45,6 +45,12 @@ class Rank1Method(SpreadKnob, TiledMethod):
     wrappers: ClassVar = wrapper_table(Rank1Layer)
 
     def step(self) -> Step:
-        # lr: r, s and ρ are O(1) multipliers whatever the network; each member's factors
+        # lr: r, s and ρ are O(1) multipliers; each member's factors
         # get 1/K of the mean loss's gradient, so the step is scaled by K
-        return ElboStep(Tiled(self.components), lr=0.05 * self.components)
+        # clip_grad_norm 1: the factors are O(1) but their gradient is not — it scales with
+        # the logits (×20 logits: gradient ×20, so one step at this lr multiplied channels
+        # by 5 and the loss reached 1e20 in 3 steps: rank1's KL 6.6e29, batchensemble's
+        # NaN NLL with KL 0, iBNN's NaN). Bounding the step's norm keeps the step size
+        # the lr promises whatever the network's logit scale; it rarely binds otherwise.
+        return ElboStep(Tiled(self.components), lr=0.05 * self.components,
+                        defaults={"clip_grad_norm": 1.0})

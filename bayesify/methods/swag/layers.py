@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
@@ -154,8 +153,11 @@ class SWAGBatchNorm(BayesianLayer):
         base = self.base_layer
         if base.training:  # BatchNorm trained on purpose (bn_train) or statistics recomputed
             return base(x)
-        return F.batch_norm(x, self.running_mean, self.running_var, base.weight, base.bias,
-                            False, 0.0, base.eps)
+        # the base module's own forward with the posterior's statistics: a BatchNorm subclass
+        # that also applies an activation (timm's BatchNormAct2d) keeps it (a bare
+        # F.batch_norm here dropped EfficientNet's ReLU6: logits of 1e15 on Lite0)
+        return functional_call(base, {"running_mean": self.running_mean,
+                                      "running_var": self.running_var}, (x,))
 
     def mean_weight(self, name: str) -> torch.Tensor | None:
         return getattr(self.base_layer, name)

