@@ -70,7 +70,7 @@ def cpu_scaling(*, batch: int, steps: int, image: int, procs: list[int]) -> dict
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                    f"--master_port={_free_port()}", __file__, "--worker", str(out),
                    "--batch", str(batch), "--steps", str(steps), "--image", str(image)]
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]))
             subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True)
             results[nproc] = json.loads(out.read_text())
     return results

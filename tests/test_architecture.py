@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "bayesify"
+PACKAGE = ROOT / "src" / "bayesify"
 
 FLOORS: list[tuple[int, tuple[str, ...]]] = [
     (1, ("bayesify.errors", "bayesify.metrics", "bayesify.version", "bayesify.atomic_files",

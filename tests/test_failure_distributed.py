@@ -36,7 +36,7 @@ def test_a_silent_rank_is_named_after_the_timeout():
     for rank in (0, 1):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(ROOT))
+                   PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]))
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "2"], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     start = time.monotonic()

@@ -31,7 +31,7 @@ SCRIPT = ROOT / "tests" / "failure_scripts" / "save_kill.py"
 
 
 def run_script(mode: str, directory: Path, count: int = 5, timeout: int = 600) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
     out = subprocess.run([sys.executable, str(SCRIPT), mode, str(directory), str(count)],
                          capture_output=True, text=True, timeout=timeout, env=env, check=False)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -194,8 +194,8 @@ def test_wrapper_weight_is_the_mean_or_an_error():
 def test_family_packages_import_only_core_kit_and_their_own_folder():
     import ast
 
-    for path in (ROOT / "bayesify" / "methods").rglob("*.py"):
-        family = path.relative_to(ROOT / "bayesify" / "methods").parts[0]
+    for path in (ROOT / "src" / "bayesify" / "methods").rglob("*.py"):
+        family = path.relative_to(ROOT / "src" / "bayesify" / "methods").parts[0]
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bayesify."):
                 parts = node.module.split(".")

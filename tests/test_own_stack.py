@@ -47,7 +47,7 @@ def test_cli_fit_leaves_epochs_to_fit_unless_given(tmp_path):
 
 
 def test_library_loggers_are_children_of_bayesify():
-    root = Path(__file__).resolve().parents[1] / "bayesify"
+    root = Path(__file__).resolve().parents[1] / "src" / "bayesify"
     for path in root.rglob("*.py"):
         text = path.read_text()
         assert 'getLogger("bayesify")' not in text, f"{path}: use logging.getLogger(__name__)"
