@@ -300,6 +300,20 @@ def test_a_64_gib_sparse_tensor_file_is_refused_before_reading(tmp_path):
     assert time.perf_counter() - start < 5
 
 
+def test_a_64_gib_sparse_export_is_refused_before_hashing(exports, tmp_path):
+    """The committed FILE.json records the program's size: a replaced 64 GiB (sparse) program
+    is refused at once, not hashed for minutes."""
+    install_old(exports, tmp_path)
+    assert json.loads(exports["old"]["m.pt2.json"])["program_bytes"] == len(
+        exports["old"]["m.pt2"])
+    with (tmp_path / "m.pt2").open("wb") as fh:
+        fh.truncate(64 << 30)
+    start = time.perf_counter()
+    with pytest.raises(BayesifyError, match="bytes but its committed record"):
+        run_exported(tmp_path / "m.pt2", X)
+    assert time.perf_counter() - start < 5
+
+
 def test_a_crafted_header_in_an_old_manifest_is_refused_before_reading(tmp_path):
     """No ``posterior_bytes`` (written before it existed): the header's own size and the
     dry run's shapes are checked before the data is read."""

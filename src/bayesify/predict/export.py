@@ -307,7 +307,9 @@ def export_predictor(
         data = onnx_bytes(_onnx_model(program, tuple(names)), metadata)
     digest = sha256_of(data)
     diff = _verify(predictor, path, data, example, method=method, atol=atol) if verify else None
-    files = commit_export(path, data, metadata_text(metadata))
+    # FILE.json also records the program's size: a reader refuses a file of another size
+    # before hashing it (a 64 GiB sparse file is refused at once)
+    files = commit_export(path, data, metadata_text({**metadata, "program_bytes": len(data)}))
     if class_names is not None:  # remembered for this predictor's next export
         predictor.class_names = list(metadata["class_names"])
     if loud:

@@ -264,18 +264,22 @@ def read_verified(path: Path, *, check_sha256: bool = True) -> bytes:
         lines = read_record(record)
         expected = _recorded(lines, path.name, metadata=False) or ""
         try:
-            data, actual = _read_if_recorded(path, expected)
+            wrong_size = _wrong_size(path, lines)
+            data, actual = (None, "") if wrong_size else _read_if_recorded(path, expected)
         except FileNotFoundError:
             data, problem = None, f"cannot read the export {path}: it does not exist"
         except OSError as err:
             raise BayesifyError(f"cannot read the export {path}: {err}") from err
         else:
-            if data is not None:
+            if wrong_size:
+                problem = wrong_size
+            elif data is not None:
                 _complete_metadata(path, lines)
                 return data
-            problem = (f"{path} does not match its integrity record {record.name} (sha256 "
-                       f"{actual[:16]}… ≠ {expected[:16]}…): the file was changed or damaged "
-                       "after export; refusing it")
+            else:
+                problem = (f"{path} does not match its integrity record {record.name} "
+                           f"(sha256 {actual[:16]}… ≠ {expected[:16]}…): the file was changed "
+                           "or damaged after export; refusing it")
         for candidate in _pending(path, expected):  # committed, not yet renamed into place
             try:
                 data, _ = _read_if_recorded(candidate, expected)
@@ -285,6 +289,39 @@ def read_verified(path: Path, *, check_sha256: bool = True) -> bytes:
                 _finish_interrupted(path)
                 return data
     raise BayesifyError(problem)
+
+
+#: FILE.json is a small record; a larger one is not read (its size is checked first)
+_MAX_METADATA_BYTES = 16 << 20
+
+
+def _wrong_size(path: Path, lines: list[tuple[str, str]]) -> str:
+    """Why ``path`` is refused when its size is not the ``program_bytes`` that its committed
+    ``FILE.json`` records — decided before a byte of it is read or hashed; ``""`` otherwise.
+    Exports written before the field existed (or whose FILE.json is not the committed one:
+    an interrupted commit) are hashed as before."""
+    meta = _json_path(path)
+    expected = _recorded(lines, meta.name, metadata=True)
+    try:
+        if expected is None or meta.stat().st_size > _MAX_METADATA_BYTES:
+            return ""
+        raw = meta.read_bytes()
+    except OSError:
+        return ""
+    if sha256_of(raw) != expected:
+        return ""
+    try:
+        recorded = json.loads(raw).get("program_bytes")
+    except (ValueError, AttributeError):
+        return ""
+    if not isinstance(recorded, int) or isinstance(recorded, bool):
+        return ""
+    size = path.stat().st_size
+    if size == recorded:
+        return ""
+    return (f"{path} is {size} bytes but its committed record {meta.name} says the exported "
+            f"program is {recorded} bytes: the file was replaced or damaged after export; "
+            "refusing it without reading it (export again, or restore the file)")
 
 
 #: files larger than this are hashed in blocks before they are read into memory
