@@ -41,7 +41,7 @@ def _run_phases() -> None:
     bnn = bayesify(net, "ibnn", components=2)
     fit(bnn, train, val_loader=val, epochs=2, seed=0)  # progress=True: the default
     predictor = bnn.predictor()
-    predictor.calibrate(val)
+    predictor.calibrate(val, force=True)  # after the search: calibrate only when forced
     predictor.evaluate(val)
 
 

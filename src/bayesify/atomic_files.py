@@ -131,14 +131,24 @@ def replace(source: str | os.PathLike, target: str | os.PathLike) -> None:
 
 
 @contextlib.contextmanager
-def directory_lock(directory: str | os.PathLike) -> Iterator[None]:
-    """Hold an exclusive lock on ``directory`` (``flock`` on the directory's own fd)."""
+def directory_lock(directory: str | os.PathLike, *, shared: bool = False,
+                   missing_ok: bool = False) -> Iterator[None]:
+    """Hold an exclusive lock on ``directory`` (``flock`` on the directory's own fd) — or,
+    ``shared=True``, a shared one: readers hold it together, a writer waits for them and
+    they for it. ``missing_ok``: a directory that cannot be opened is not locked (the
+    caller's own read then says what is wrong)."""
     if fcntl is None:  # pragma: no cover - Windows
         yield
         return
-    fd = os.open(directory, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        if not missing_ok:
+            raise
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from bayesify.atomic_files import directory_lock
 from bayesify.core.digests import (  # noqa: F401 - re-exported (checkpoints, users)
     architecture_fingerprint,
     architecture_record,
@@ -382,8 +383,12 @@ def load_posterior(base_model: nn.Module, directory: str | os.PathLike, *,
     """
     for attempt in range(_LOAD_ATTEMPTS):
         try:
-            return _load_posterior(base_model, directory, output_fn=output_fn, signing_key=key,
-                                   old_temperature=old_temperature)
+            # a shared lock: a save (which holds the directory's exclusive lock while it
+            # commits) never replaces the manifest between the reads of one load; the
+            # retries remain for file systems without flock
+            with directory_lock(directory, shared=True, missing_ok=True):
+                return _load_posterior(base_model, directory, output_fn=output_fn,
+                                       signing_key=key, old_temperature=old_temperature)
         except _ManifestReplaced:
             if attempt == _LOAD_ATTEMPTS - 1:
                 raise
