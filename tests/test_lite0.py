@@ -162,8 +162,12 @@ def test_save_load_onto_a_fresh_copy_is_exact(method, lite0, fresh_lite0, crops,
     bnn.save_posterior(tmp_path / "posterior")
     loaded = load_posterior(fresh_lite0, tmp_path / "posterior")
     x = torch.nn.functional.interpolate(crops["val"][0][::4], size=32, mode="area")  # [3, 3, 32, 32]
-    expected = bnn.predictor(1, seed=2)(x).member_logits  # one member per component
-    got = loaded.predictor(1, seed=2)(x).member_logits
+    if bnn.method.step().ready(bnn):
+        expected = bnn.predictor(1, seed=2)(x).member_logits  # one member per component
+        got = loaded.predictor(1, seed=2)(x).member_logits
+    else:  # Laplace / SWAG: only fit builds the posterior the predictor samples (slow test)
+        with torch.no_grad(), bnn.deterministic(), loaded.deterministic():
+            expected, got = bnn(x), loaded(x)
     assert torch.equal(got, expected)
     for name, tensor in loaded.posterior_tensors().items():
         assert torch.equal(tensor, bnn.posterior_tensors()[name]), name

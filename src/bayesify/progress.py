@@ -69,6 +69,11 @@ class PhaseLines:
         self.start = self.last = time.perf_counter()
         self.closed = False
 
+    @property
+    def disable(self) -> bool:
+        """tqdm's attribute: whether this phase reports at all (rank 0 and asked for)."""
+        return not self.enabled
+
     def __len__(self) -> int:
         return self.total or 0
 
