@@ -98,7 +98,14 @@ def test_defaults_hold_on_pretrained_digits_cnn(method, digits_net):
         assert len(record[f"{knob}_val_nll"]) == len(record[f"{knob}_grid"])
 
 
-@pytest.mark.parametrize("method", FAMILIES)
+#: families whose MiniLM contract runs in the default test run (the default method, the
+#: cheap ones); the others take 14–40 s each on 2 cores and run with ``pytest -m slow``
+MINILM_DEFAULT_RUN = {"ibnn", "laplace", "ensemble", "batchensemble", "epinet"}
+
+
+@pytest.mark.parametrize("method", [
+    m if m in MINILM_DEFAULT_RUN else pytest.param(m, marks=pytest.mark.slow)
+    for m in FAMILIES])
 def test_defaults_hold_on_pretrained_minilm(method, text_net):
     check_contract(method, text_net, use_val=True)
 

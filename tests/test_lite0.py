@@ -203,7 +203,8 @@ def test_fit_calibrate_export_save_load(method, lite0, fresh_lite0, crops, tmp_p
     except ImportError:
         pass
     for fmt in formats:
-        info = predictor.export(tmp_path / f"lite0.{fmt}", x_val[:2])
+        # sampled weights of a 50-layer net: float rounding reaches ~5e-5 (SWAG), not 1e-5
+        info = predictor.export(tmp_path / f"lite0.{fmt}", x_val[:2], atol=1e-4)
         assert info["max_abs_diff"] <= 1e-4
         probs, epistemic = run_exported(tmp_path / f"lite0.{fmt}", x_val)
         torch.testing.assert_close(probs, reference.probs, rtol=0, atol=1e-4)
