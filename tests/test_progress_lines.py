@@ -88,3 +88,15 @@ def test_disabled_bar_says_nothing(monkeypatch, caplog, enabled):
     with caplog.at_level(logging.INFO, logger="bayesify.progress"):
         assert list(progress_module.progress_bar(range(2), "quiet", enabled=enabled)) == [0, 1]
     assert not caplog.records
+
+
+def test_every_bar_of_the_library_goes_through_progress_bar():
+    """A bar made with tqdm directly would write carriage-return frames into a log file
+    (the demo's MAP training did): only bayesify.progress may import tqdm."""
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "src" / "bayesify"
+    direct = [str(p.relative_to(package)) for p in package.rglob("*.py")
+              if p.name != "progress.py" and "import tqdm" in p.read_text()
+              or p.name != "progress.py" and "from tqdm" in p.read_text()]
+    assert direct == []

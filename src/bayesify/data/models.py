@@ -45,13 +45,13 @@ def train_map(
     progress: bool = False,
 ) -> nn.Module:
     """Plain maximum-a-posteriori training (Adam + weight decay): the "pretrained" net."""
-    from tqdm.auto import tqdm
+    from bayesify.progress import progress_bar
 
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * len(loader))
     model.train()
-    for _ in tqdm(range(epochs), desc="MAP training", disable=not progress, leave=False):
+    for _ in progress_bar(range(epochs), "MAP training", enabled=progress):
         for x, y in loader:
             loss = nn.functional.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
