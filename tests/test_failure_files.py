@@ -389,6 +389,19 @@ def test_the_exported_predictor_refuses_nan_like_the_in_process_one(exports, tmp
     assert torch.isnan(out.probs[1]).all() and torch.isfinite(out.probs[[0, 2]]).all()
 
 
+def test_the_exported_predictor_takes_dtypes_like_the_in_process_one(exports, tmp_path):
+    """Issue 35 item 12 for exports: float64 / float16 inputs computed in the program's
+    dtype (float64 failed inside the program before), uint8 images refused with how to
+    convert them."""
+    install_old(exports, tmp_path)
+    exported = load_exported(tmp_path / "m.pt2")
+    reference = exported(X)
+    torch.testing.assert_close(exported(X.double()).probs, reference.probs, rtol=0, atol=0)
+    torch.testing.assert_close(exported(X.half()).probs, reference.probs, rtol=0, atol=1e-3)
+    with pytest.raises(BayesifyError, match=r"x.float\(\) / 255"):
+        exported((X.abs() * 50).to(torch.uint8))
+
+
 # -- 13, 14: what a posterior is checked against -------------------------------------------------
 def test_the_fingerprint_tells_gelu_from_relu(tmp_path):
     bnn = _posterior(1, act=nn.ReLU)

@@ -32,7 +32,7 @@ from typing import Any, Self
 
 import torch
 
-from bayesify.core.batch import Batch
+from bayesify.core.batch import Batch, model_ready
 from bayesify.errors import BayesifyError
 from bayesify.predict.export_inputs import InputLayout, example_batch
 from bayesify.predict.export_meta import METADATA_NAME
@@ -144,7 +144,9 @@ class LoadedExport:
         rows = int(first.shape[0]) if first.dim() else -1
         if self.format == "onnx":
             wanted = [i.name for i in self._session.get_inputs()]
-            given = dict(zip(layout.names, layout.tensors(batch)))
+            # uint8 images refused with how to convert them, as in process; floats go in as
+            # float32 (_numpy_input)
+            _, given = model_ready(None, (), dict(zip(layout.names, layout.tensors(batch))))
             if len(wanted) == 1 and len(given) == 1:  # files written before inputs were named
                 given = {wanted[0]: next(iter(given.values()))}
             missing = [n for n in wanted if n not in given]
@@ -153,7 +155,9 @@ class LoadedExport:
             outputs = self._session.run(None, {n: _numpy_input(given[n]) for n in wanted})
             outputs = [torch.from_numpy(o) for o in outputs]
         else:
-            args, kwargs = layout.call_inputs(batch)
+            # floats in the program's own dtype (float64 / float16 inputs), uint8 images
+            # refused with how to convert them: the in-process predictor's rule
+            args, kwargs = model_ready(self._module, *layout.call_inputs(batch))
             with torch.no_grad():
                 outputs = self._module(*args, **kwargs)
         probs, epistemic = _checked_outputs(outputs, rows, self.metadata, self.path)
