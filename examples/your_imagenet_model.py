@@ -20,7 +20,7 @@ sample photos (palace, daisy).
    transform)``; reload with ``run_exported(path, pil_images, preprocess=True)`` and print
    the predicted names with their epistemic uncertainty.
 
-    python examples/your_imagenet_model.py                    # sample crops, ibnn, 300 steps
+    python examples/your_imagenet_model.py                    # sample crops, ibnn, fit budget
     python examples/your_imagenet_model.py --epochs 1         # a quick look (about a minute)
     python examples/your_imagenet_model.py --data /path/to/imagenet_subset --method laplace
 """
