@@ -17,16 +17,15 @@ a fine-tuning LR such as the Trainer's 5e-5 leaves the posterior where it starte
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bayesify.errors import BayesifyError
-from bayesify.train.guard import StepGuard, recover, unusable_step
+from bayesify.train.guard import StepGuard
 from bayesify.train.loop import FIT_FALLBACKS
-from bayesify.train.steps import optimiser_groups
+from bayesify.train.steps import guarded_update, optimiser_groups
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -117,24 +116,4 @@ class GuardedStep:
         return ok
 
     def _step(self, value: float, where: str) -> bool:
-        guard, params = self.guard, self.trainable()
-        if not math.isfinite(value) or guard.blown_up(value):
-            recover(self, where, f"{'non-finite' if not math.isfinite(value) else 'diverging'} "
-                    f"loss ({value:.4g})")
-            return False
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())):
-            recover(self, where, f"non-finite gradient (loss={value:.4g})")
-            return False
-        if self.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
-        guard.before_update(params)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        bad = unusable_step(self, value, params)
-        if bad is not None:
-            recover(self, where, bad, after_update=True)
-            return False
-        guard.succeeded(value)
-        self.global_step += 1
-        return True
+        return guarded_update(self, self.guard, where, value, "the loss of the caller's step")

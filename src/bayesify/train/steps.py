@@ -163,27 +163,22 @@ def _kl_weight(state: TrainState, group_start: int) -> float:
     return float(state.family.kl_weight(group_start // accum, total))
 
 
-def _optimizer_step(state: TrainState, beta: float, batch_index: int) -> dict[str, float] | None:
-    """The optimiser step of an accumulation group; ``None`` when the step failed and was
-    recovered (:func:`bayesify.train.guard.recover`: rolled back, learning rate halved)."""
-    means = all_reduce_mean(torch.stack(state.pending).mean(0), state.ctx)
-    state.pending.clear()
-    loss, nll, kl = means.tolist()
-    where = (f"epoch {state.epoch}, step {batch_index} (optimiser step {state.global_step}; "
-             f"method {state.bnn.method_name!r})")
-    guard = step_guard(state)
-    if not all(map(math.isfinite, (loss, nll, kl))) or guard.blown_up(loss):
-        rates = ", ".join(f"{g.get('name', i)} {g['lr']:.4g}"
-                          for i, g in enumerate(state.optimizer.param_groups))
+def guarded_update(state: Any, guard: Any, where: str, loss: float, detail: str) -> bool:
+    """One guarded optimiser update of ``state`` (``optimizer``, ``trainable()``,
+    ``clip_grad_norm``, ``global_step``): refused and recovered
+    (:func:`bayesify.train.guard.recover`: rolled back, learning rate halved) on a
+    non-finite or diverging ``loss`` (``detail`` says what it was made of), a non-finite
+    gradient or unusable values after the step; ``True`` when the update was made. The
+    gradients are all-reduced already under DDP: every rank takes the same decision."""
+    if not math.isfinite(loss) or guard.blown_up(loss):
         recover(state, where, f"{'non-finite' if not math.isfinite(loss) else 'diverging'} "
-                f"loss (nll={nll:.4g}, kl={kl:.4g}, beta={beta:.4g}, lr: {rates})")
-        return None
+                f"loss ({loss:.4g}; {detail})")
+        return False
     params = state.trainable()
     grads = [p.grad for p in params if p.grad is not None]
-    # gradients are all-reduced already (DDP): every rank takes the same decision
     if grads and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())):
         recover(state, where, f"non-finite gradient (loss={loss:.4g})")
-        return None
+        return False
     if state.clip_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, state.clip_grad_norm)
     guard.before_update(params)
@@ -192,9 +187,26 @@ def _optimizer_step(state: TrainState, beta: float, batch_index: int) -> dict[st
     bad = unusable_step(state, loss, params)
     if bad is not None:
         recover(state, where, bad, after_update=True)
-        return None
+        return False
     guard.succeeded(loss)
     state.global_step += 1
+    return True
+
+
+def _optimizer_step(state: TrainState, beta: float, batch_index: int) -> dict[str, float] | None:
+    """The optimiser step of an accumulation group; ``None`` when the step failed and was
+    recovered (:func:`bayesify.train.guard.recover`: rolled back, learning rate halved)."""
+    means = all_reduce_mean(torch.stack(state.pending).mean(0), state.ctx)
+    state.pending.clear()
+    loss, nll, kl = means.tolist()
+    where = (f"epoch {state.epoch}, step {batch_index} (optimiser step {state.global_step}; "
+             f"method {state.bnn.method_name!r})")
+    rates = ", ".join(f"{g.get('name', i)} {g['lr']:.4g}"
+                      for i, g in enumerate(state.optimizer.param_groups))
+    finite = all(map(math.isfinite, (nll, kl)))
+    if not guarded_update(state, step_guard(state), where, loss if finite else math.nan,
+                          f"nll={nll:.4g}, kl={kl:.4g}, beta={beta:.4g}, lr: {rates}"):
+        return None
     state.family.after_update(state)
     return {"loss": loss, "nll": nll, "kl": kl, "beta": beta}
 
