@@ -77,6 +77,8 @@ def test_metadata_travels_inside_and_beside_the_file(exported, fmt):
         assert json.loads(props["class_names"]) == CLASSES
         assert json.loads(props["preprocessing"])["mean"] == [0.5]
     beside = json.loads((out / f"m.{fmt}.json").read_text())
+    # FILE.json adds the program's size (checked before a reader hashes the program)
+    assert beside.pop("program_bytes") == path.stat().st_size
     assert inside == beside == infos[fmt]["metadata"]
     assert inside["class_names"] == CLASSES and inside["method"] == "ibnn"
     assert inside["members"] == 4 and inside["num_classes"] == 5 and inside["inputs"] == ["x"]
