@@ -116,4 +116,5 @@ class GuardedStep:
         return ok
 
     def _step(self, value: float, where: str) -> bool:
-        return guarded_update(self, self.guard, where, value, "the loss of the caller's step")
+        return guarded_update(self, self.guard, where, value,
+                              lambda: "the loss of the caller's step")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -163,16 +164,18 @@ def _kl_weight(state: TrainState, group_start: int) -> float:
     return float(state.family.kl_weight(group_start // accum, total))
 
 
-def guarded_update(state: Any, guard: Any, where: str, loss: float, detail: str) -> bool:
+def guarded_update(state: Any, guard: Any, where: str, loss: float,
+                   detail: Callable[[], str]) -> bool:
     """One guarded optimiser update of ``state`` (``optimizer``, ``trainable()``,
     ``clip_grad_norm``, ``global_step``): refused and recovered
     (:func:`bayesify.train.guard.recover`: rolled back, learning rate halved) on a
-    non-finite or diverging ``loss`` (``detail`` says what it was made of), a non-finite
+    non-finite or diverging ``loss`` (``detail()`` says what it was made of; built only
+    then, off the hot path), a non-finite
     gradient or unusable values after the step; ``True`` when the update was made. The
     gradients are all-reduced already under DDP: every rank takes the same decision."""
     if not math.isfinite(loss) or guard.blown_up(loss):
         recover(state, where, f"{'non-finite' if not math.isfinite(loss) else 'diverging'} "
-                f"loss ({loss:.4g}; {detail})")
+                f"loss ({loss:.4g}; {detail()})")
         return False
     params = state.trainable()
     grads = [p.grad for p in params if p.grad is not None]
@@ -201,11 +204,14 @@ def _optimizer_step(state: TrainState, beta: float, batch_index: int) -> dict[st
     loss, nll, kl = means.tolist()
     where = (f"epoch {state.epoch}, step {batch_index} (optimiser step {state.global_step}; "
              f"method {state.bnn.method_name!r})")
-    rates = ", ".join(f"{g.get('name', i)} {g['lr']:.4g}"
-                      for i, g in enumerate(state.optimizer.param_groups))
+
+    def detail() -> str:
+        rates = ", ".join(f"{g.get('name', i)} {g['lr']:.4g}"
+                          for i, g in enumerate(state.optimizer.param_groups))
+        return f"nll={nll:.4g}, kl={kl:.4g}, beta={beta:.4g}, lr: {rates}"
+
     finite = all(map(math.isfinite, (nll, kl)))
-    if not guarded_update(state, step_guard(state), where, loss if finite else math.nan,
-                          f"nll={nll:.4g}, kl={kl:.4g}, beta={beta:.4g}, lr: {rates}"):
+    if not guarded_update(state, step_guard(state), where, loss if finite else math.nan, detail):
         return None
     state.family.after_update(state)
     return {"loss": loss, "nll": nll, "kl": kl, "beta": beta}
