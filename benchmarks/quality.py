@@ -284,7 +284,7 @@ def _run_seed_job(job: tuple[int, argparse.Namespace]) -> dict[str, Any]:
 def markdown(summary: dict[str, Any]) -> str:
     rows, meta = summary["rows"], summary["meta"]
     spec = PROTOCOLS[meta.get("protocol", "digits-cnn")]
-    UNSEEN, SEEN = spec.unseen, spec.seen  # noqa: N806 - the protocol's constants
+    UNSEEN, SEEN = spec.unseen, spec.seen
     ref = rows["map"]["metrics"]
     lines = ["# Quality frontier: every family's defaults on a held-out-style protocol", "",
              f"Command: `{meta['command']}`  ",
@@ -338,7 +338,7 @@ def frontier_png(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = summary["rows"]
-    UNSEEN = PROTOCOLS[summary["meta"].get("protocol", "digits-cnn")].unseen  # noqa: N806
+    UNSEEN = PROTOCOLS[summary["meta"].get("protocol", "digits-cnn")].unseen
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.5))
     for name, row in rows.items():
         if not row["metrics"]:
