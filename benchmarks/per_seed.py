@@ -3,7 +3,7 @@ accuracy, clean NLL, mean NLL over the protocol's shifts, OOD AUROC (entropy; fo
 feature-density rows their own score), fit and predict seconds, and the ratios of the shift
 NLL to the starting network's (``map``; clean NLL also against ``map+ts``) and to the 5-member deep ensemble's of the same seed.
 
-    python benchmarks/per_seed.py results/quality_digits-vit_seed*.pt [more files of other rows]
+    python benchmarks/per_seed.py results/quality_digits-vit_seed*.pt [more files] [--json F]
 
 Files of the same seed are joined (the first file's row wins), as ``quality.py --merge``.
 """
@@ -11,6 +11,7 @@ Files of the same seed are joined (the first file's row wins), as ``quality.py -
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,13 @@ def table(runs: dict[int, dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+")
-    print(table(_merge(parser.parse_args(argv).files)))
+    parser.add_argument("--json", default=None, help="also write the per-seed figures here")
+    args = parser.parse_args(argv)
+    runs = _merge(args.files)
+    if args.json:
+        Path(args.json).write_text(json.dumps({seed: seed_rows(runs[seed]) for seed in sorted(runs)},
+                                              indent=1))
+    print(table(runs))
 
 
 if __name__ == "__main__":
