@@ -304,12 +304,12 @@ def markdown(summary: dict[str, Any]) -> str:
             lines.append(f"| {name} | failed: {'; '.join(row['errors'])[:160]} |")
             continue
         unseen = _mean_of(m, UNSEEN)
-        seen = _mean_of(m, SEEN) if SEEN else float("nan")
+        seen_txt = f"{_mean_of(m, SEEN):.3f}" if SEEN else "—"
         mi = m.get("ood_auroc_mi", {}).get("value")
         lines.append(
             f"| {name} | {row['members']} | {m['accuracy']['value']:.3f} | "
             f"{m['nll']['value']:.3f} ± {m['nll']['se']:.3f} | {m['ece']['value']:.3f} | "
-            f"{unseen:.3f} | {unseen / base_unseen:.2f} | {seen:.3f} | "
+            f"{unseen:.3f} | {unseen / base_unseen:.2f} | {seen_txt} | "
             f"{m['ood_auroc']['value']:.3f} | {'n/a' if mi is None else f'{mi:.3f}'} | "
             f"{row['temperature']:.2f} | {row['fit_seconds']:.1f} | {row['predict_seconds']:.3f} |")
     lines += ["", "NLL under every shift:", "",
