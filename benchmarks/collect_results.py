@@ -57,6 +57,11 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("protocol2.md", "Second protocol (tiny ViT, LayerNorm)",
+             "python benchmarks/quality.py --protocol digits-vit --seeds 0 1 2 --jobs 1 "
+             "--threads 1 --save-seeds (three row sets, joined with --merge); python "
+             "benchmarks/per_seed.py; python benchmarks/temperature29.py --protocol digits-vit "
+             "--seeds 0 1 2 --ensemble; the text is written by hand"),
         Part("issue7.md", "Temperature scaling, every family",
              "python benchmarks/issue7.py --out benchmarks/results/issue7.json",
              section="## Temperature scaling"),
