@@ -34,6 +34,9 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
      "tests."), [
         Part("first_hour.md", "bayesify demo, the first example and the tests: time and verdict",
              "OMP_NUM_THREADS=1 /usr/bin/time -v bayesify demo --no-progress"),
+        Part("ibnn_per_network.md", "iBNN's default spread on a deep real network "
+             "(EfficientNet-Lite0): per network, not per layer",
+             "OMP_NUM_THREADS=1 PYTHONPATH=.:src python benchmarks/ibnn_per_network.py --fit"),
         Part("first_fit.md", "A default fit on a real network (EfficientNet-Lite0): its duration, "
              "said early", "OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/first_fit_lite0.py "
              "--train 300 --val 30"),
