@@ -60,6 +60,9 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("which_family.md", "Which family: every family on two protocols, as ratios",
+             "python benchmarks/quality.py --save-seeds (both protocols, families and peers); "
+             "python benchmarks/which_family.py; the text is written by hand"),
         Part("protocol2.md", "Second protocol (tiny ViT, LayerNorm)",
              "python benchmarks/quality.py --protocol digits-vit --seeds 0 1 2 --jobs 1 "
              "--threads 1 --save-seeds (three row sets, joined with --merge); python "
