@@ -86,7 +86,9 @@ def test_readme_trainer_recipe_runs_end_to_end(tmp_path, monkeypatch):
     moved = max((p - start[n]).abs().max().item() for n, p in bnn.named_posterior_parameters())
     assert moved > 1e-2
     group = trainer.optimizer.param_groups[0]  # the family's LR, not args.learning_rate
-    assert group["initial_lr"] == posterior_lr(bnn) == 0.2 and group["nesterov"]
+    layers = len(bnn.bayesian_layers())  # iBNN's lr is the paper's 0.2 per network: ÷√L
+    assert group["initial_lr"] == posterior_lr(bnn) == pytest.approx(0.2 / layers**0.5)
+    assert group["nesterov"]
     metrics = scope["metrics"]
     assert 0 < metrics["eval_loss"] < 1.4  # NLL of the predictive, below log(4) = uniform
     assert "ibnn_noise_scale" in trainer.tune_record  # the validation search ran

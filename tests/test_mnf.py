@@ -158,9 +158,11 @@ def test_auxiliary_bound_kl_term_matches_a_brute_force_monte_carlo_estimate(shap
 # -- depth 0 = iBNN with one component ---------------------------------------------------------
 def test_depth_zero_without_weight_noise_is_ibnn_with_one_component():
     """flow_depth=0, weight_std=0: q(z) = N(μ_z, σ_z²) per input node, W = diag(z)·w, KL =
-    KL(q(z)‖N(1, s²)) — iBNN's node noise, mixture and KL with K = 1 and prior N(1, s²)."""
+    KL(q(z)‖N(1, s²)) — iBNN's node noise, mixture and KL with K = 1 and prior N(1, s²) per
+    node (``per_network=False``)."""
     net = _cnn()
-    ibnn = bayesify(net, "ibnn", components=1, samples=2, prior_std=0.1, init_mean_std=0.0)
+    ibnn = bayesify(net, "ibnn", components=1, samples=2, prior_std=0.1, init_mean_std=0.0,
+                    per_network=False)  # MNF's prior is per node
     mnf = bayesify(net, "mnf", flow_depth=0, weight_std=0.0, samples=2, prior_std=0.1)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
