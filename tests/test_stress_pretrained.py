@@ -68,6 +68,27 @@ def test_multiplicative_families_are_stable_on_large_logits(loud_cnn, method, ca
     assert finite_posterior(bnn)
 
 
+# -- the whole-weight SGD families on the same network (issue 30, second round) -------------
+@pytest.mark.parametrize("method", ["dropout", "ensemble", "meanfield", "swag"])
+def test_whole_weight_families_keep_accuracy_on_large_logits(loud_cnn, method, caplog):
+    """dropout / ensemble / meanfield / SWAG move the weights themselves with SGD: the
+    gradient grows with the logit scale and 1/σ of the frozen BatchNorm statistics, and an
+    unclipped step at their lr ended at chance accuracy (0.09–0.14 vs 0.90). Their default
+    clip_grad_norm bounds the step: no recovery needed, the accuracy stays."""
+    model, train, val = loud_cnn
+    acc0, _, n = base_metrics(model, val)
+    torch.manual_seed(0)
+    bnn = bayesify.bayesify(model, method=method)
+    with caplog.at_level(logging.WARNING, logger=GUARD):
+        # (unclipped on this tiny net: the ensemble at 0.51 after 10 steps, the others
+        # below 0.76 after 20)
+        bayesify.fit(bnn, train, min_steps=10 if method == "ensemble" else 20, progress=False,
+                     seed=0)
+    assert guard_warnings(caplog) == []
+    acc, nll, _ = bnn_metrics(bnn, val)
+    assert math.isfinite(nll) and acc >= acc0 - 0.02, (acc, acc0)
+
+
 # -- 4. SWAG keeps what a BatchNorm subclass does after normalising -------------------------
 class BatchNormAct2d(nn.BatchNorm2d):
     """timm's ``BatchNormAct2d`` in miniature (EfficientNet, MobileNet): the normalisation,
@@ -246,6 +267,57 @@ def test_elbo_loss_refuses_a_nonfinite_loss():
         bnn.model[0].mean.fill_(math.nan)
     with pytest.raises(NonFiniteLossError, match="elbo_loss of method 'ibnn' is non-finite"):
         bayesify.elbo_loss(bnn, next(iter(train)), n_train=64)
+
+
+# -- never worse than the start: every family with a val_loader, SWAG and ensembles too -----
+def _destructible():
+    torch.manual_seed(0)
+    x = torch.randn(96, 1, 6, 6)
+    y = (x.mean((1, 2, 3)) > 0).long() + (x[:, 0, 0, 0] > 1).long()
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    for _ in range(150):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.eval(), x, DataLoader(TensorDataset(x, y), batch_size=16)
+
+
+def test_swag_that_ends_worse_hands_back_the_starting_network(caplog):
+    """SWAG was only flagged when its trajectory ended worse than the start; it now hands
+    back the starting network as a posterior of zero spread (θ̄ = θ₀, pretrained BatchNorm
+    statistics), validated against the last state."""
+    model, x, data = _destructible()
+    acc0, nll0, _ = base_metrics(model, data)
+    bnn = bayesify.bayesify(model, method="swag")
+    with caplog.at_level(logging.WARNING, logger="bayesify.train.best"), \
+            pytest.warns(UserWarning, match="training NLL"):
+        result = bayesify.fit(bnn, data, val_loader=data, lr=30.0, epochs=2, clip_grad_norm=1.0,
+                              progress=False, seed=0)
+    last = result.last
+    assert last["val_nll"] > 10 * nll0  # the trajectory was destroyed ...
+    assert last["kept"] == "start" and last["worse_than_start"] is False  # ... the start kept
+    assert "keeps the state of start" in caplog.text
+    with torch.no_grad(), bnn.deterministic():
+        assert torch.equal(bnn(x), model(x))
+    acc, nll, _ = bnn_metrics(bnn, data)  # the sampled members are the start too
+    assert acc == acc0 and nll == pytest.approx(nll0, rel=1e-4, abs=1e-6)
+    assert nll == pytest.approx(last["kept_val_nll"], rel=1e-4, abs=1e-6)
+
+
+def test_clearly_worse_counts_many_flipped_examples_whatever_the_nll():
+    """An over-confident start (NLL 1.71) beat on NLL by a posterior at 0.55 accuracy: with
+    the start's ``n`` known, 105 flipped examples of 300 are clearly worse (the ensemble's
+    0.90 → 0.55 fit was kept); one flipped example of 3 still is not."""
+    from bayesify.train.best import clearly_worse
+
+    start = {"accuracy": 0.9033, "nll": 1.7096, "n": 300}
+    assert clearly_worse(start, {"val_accuracy": 0.5533, "val_nll": 1.6635}) == [
+        "accuracy 0.5533 < 0.9033"]
+    assert clearly_worse(start, {"val_accuracy": 0.8967, "val_nll": 1.6}) == []  # 2 examples
+    assert clearly_worse({"accuracy": 1 / 3, "nll": 1.1395, "n": 3},
+                         {"val_accuracy": 0.0, "val_nll": 1.1054}) == []
 
 
 # -- the whole matrix (slow) ---------------------------------------------------------------
