@@ -76,7 +76,7 @@ def test_whole_weight_families_keep_accuracy_on_large_logits(loud_cnn, method, c
     unclipped step at their lr ended at chance accuracy (0.09–0.14 vs 0.90). Their default
     clip_grad_norm bounds the step: no recovery needed, the accuracy stays."""
     model, train, val = loud_cnn
-    acc0, _, n = base_metrics(model, val)
+    acc0, _, _ = base_metrics(model, val)
     torch.manual_seed(0)
     bnn = bayesify.bayesify(model, method=method)
     with caplog.at_level(logging.WARNING, logger=GUARD):
