@@ -24,10 +24,11 @@ entries, e.g. SWAG's θ̄ = θ₀ with zero spread and the pretrained BatchNorm 
 start is the candidate beside the last state. Other steps are marked and warned about. A
 fresh fit only (a resumed one did not see its start).
 
-A lower accuracy with a better NLL is not "clearly worse" when it is a few validation
-examples near the decision boundary (at most :data:`FLIPPED_EXAMPLES` of the ``n`` the start
-was validated on); a larger drop is, whatever the NLL (an over-confident start can have a
-worse NLL than a posterior at a fraction of its accuracy).
+A lower accuracy with a better NLL is not "clearly worse" when it is what a few validation
+examples near the decision boundary give: at most max(:data:`FLIPPED_EXAMPLES`, two binomial
+standard deviations 2·√(n·a·(1−a))) of the ``n`` examples the start was validated on (``a``
+its accuracy); a larger drop is, whatever the NLL (an over-confident start can have a worse
+NLL than a posterior at a fraction of its accuracy).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ logger = logging.getLogger(__name__)
 #: how much worse than the start counts as "clearly": one accuracy point, 10 % NLL
 ACCURACY_MARGIN = 0.01
 NLL_FACTOR = 1.1
-#: an accuracy drop of at most this many validation examples is forgiven when the NLL is better
+#: an accuracy drop of at most this many validation examples (or two binomial standard
+#: deviations, when more) is forgiven when the NLL is better
 FLIPPED_EXAMPLES = 2
 
 
@@ -67,8 +69,10 @@ def clearly_worse(start: dict[str, float], metrics: dict[str, Any], *,
     # decision boundary give (1 of 3 images flipped): worse only when the NLL is not better,
     # or when more than a few examples flipped (``n`` known: 0.90 → 0.55 on 300 images with
     # an NLL below an over-confident start's is worse)
-    drop = start["accuracy"] - acc
-    flipped = drop * start["n"] > FLIPPED_EXAMPLES + 1e-6 if start.get("n") else False
+    drop, n = start["accuracy"] - acc, start.get("n")
+    noise = (max(FLIPPED_EXAMPLES, 2 * math.sqrt(n * start["accuracy"] * (1 - start["accuracy"])))
+             if n else math.inf)
+    flipped = drop * (n or 0) > noise + 1e-6
     if drop > ACCURACY_MARGIN and (nll_worse or nll >= start["nll"] or flipped):
         worse.append(f"accuracy {acc:.4f} < {start['accuracy']:.4f}")
     if nll_worse:
