@@ -93,13 +93,19 @@ def test_whole_weight_families_keep_accuracy_on_large_logits(loud_cnn12, method,
     assert math.isfinite(nll) and acc >= acc0 - 0.02, (acc, acc0)
 
 
+@pytest.fixture(scope="module")
+def depthwise12():
+    return bn_cnn(size=12, steps=150, n_train=160, depthwise=True, batch_size=16)
+
+
 @pytest.mark.parametrize("method", ["batchensemble", "rank1"])
-def test_rank_one_factors_anneal_their_rate_so_the_last_iterate_keeps_the_accuracy(method):
+def test_rank_one_factors_anneal_their_rate_so_the_last_iterate_keeps_the_accuracy(method,
+                                                                                   depthwise12):
     """Without a validation split the last iterate is the posterior: at BatchEnsemble's and
     rank1's constant default rates the factors still swung at the end (this depthwise BN CNN
     ended 3 / 6 points below its start after 60 steps); the default cosine schedule anneals
     them."""
-    model, train, val = bn_cnn(size=12, steps=150, n_train=160, depthwise=True, batch_size=16)
+    model, train, val = depthwise12
     acc0, _, _ = base_metrics(model, val)
     torch.manual_seed(0)
     bnn = bayesify.bayesify(model, method=method)
