@@ -34,6 +34,9 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
      "tests."), [
         Part("first_hour.md", "bayesify demo, the first example and the tests: time and verdict",
              "OMP_NUM_THREADS=1 /usr/bin/time -v bayesify demo --no-progress"),
+        Part("ibnn_per_network.md", "iBNN's default spread on a deep real network "
+             "(EfficientNet-Lite0): per network, not per layer",
+             "OMP_NUM_THREADS=1 PYTHONPATH=.:src python benchmarks/ibnn_per_network.py --fit"),
         Part("first_fit.md", "A default fit on a real network (EfficientNet-Lite0): its duration, "
              "said early", "OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/first_fit_lite0.py "
              "--train 300 --val 30"),
@@ -57,6 +60,14 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("which_family.md", "Which family: every family on two protocols, as ratios",
+             "python benchmarks/quality.py --save-seeds (both protocols, families and peers); "
+             "python benchmarks/which_family.py; the text is written by hand"),
+        Part("protocol2.md", "Second protocol (tiny ViT, LayerNorm)",
+             "python benchmarks/quality.py --protocol digits-vit --seeds 0 1 2 --jobs 1 "
+             "--threads 1 --save-seeds (three row sets, joined with --merge); python "
+             "benchmarks/per_seed.py; python benchmarks/temperature29.py --protocol digits-vit "
+             "--seeds 0 1 2 --ensemble; the text is written by hand"),
         Part("stress30.md", "Stress matrix: every family's defaults on trap networks (issue 30)",
              "BAYESIFY_STRESS_TABLE=cells.jsonl pytest -m slow tests/test_stress_pretrained.py"),
         Part("issue7.md", "Temperature scaling, every family",

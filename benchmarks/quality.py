@@ -21,6 +21,12 @@ curve (clean against shifted validation NLL per knob value).
 
     python benchmarks/quality.py --seeds 0 1 2 --jobs 2     # the recorded run
     python benchmarks/quality.py --quick                    # 1 seed, fewer rows' epochs
+    python benchmarks/quality.py --protocol digits-vit      # protocol 2: a tiny ViT (LayerNorm)
+
+``--protocol`` picks the protocol of ``benchmarks/protocols.py`` (default ``digits-cnn``);
+``--save-seeds`` writes every finished seed's raw scores beside the tables and ``--merge``
+reads such files back (their seeds are not re-run; rows of one seed in several files are
+joined, the first file's row winning), so seeds and rows can run in separate processes.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from protocols import SEEN, UNSEEN, Protocol, pretrained, protocol, shifts
+from protocols import PROTOCOLS, Protocol
 from quality_table import aggregate
 
 import bayesify
@@ -119,7 +125,8 @@ def build_mc_dropout(base, p, loaders, *, context, **_):
 
 
 def build_deep_ensemble(base, p, loaders, *, context, **_):
-    members = [base] + [pretrained(p, context["seed"], i, epochs=context["map_epochs"])
+    members = [base] + [context["spec"].pretrained(p, context["seed"], i,
+                                                   epochs=context["map_epochs"])
                         for i in range(1, PEER_RECIPES["deep-ensemble-x5"]["members"])]
     return ModelPredictor(members), {}
 
@@ -206,15 +213,16 @@ def temperature_scale(model: torch.nn.Module, p: Protocol) -> ModelPredictor:
 # -- one seed ---------------------------------------------------------------------------------
 def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(seed)
-    p = protocol(seed)
+    spec = PROTOCOLS[args.protocol]
+    p = spec.build(seed)
     tx, ty = p.test.tensors
-    shifted = shifts(tx, seed)
+    shifted = spec.shifts(tx, seed)
     ood = torch.cat([p.ood_near, p.ood_far])
-    map_epochs = 20 if args.quick else 60
+    map_epochs = spec.quick_map_epochs if args.quick else spec.map_epochs
     start = time.perf_counter()
-    base = pretrained(p, seed, 0, epochs=map_epochs)
+    base = spec.pretrained(p, seed, 0, epochs=map_epochs)
     map_s = time.perf_counter() - start
-    context = {"seed": seed, "quick": args.quick, "map_epochs": map_epochs}
+    context = {"seed": seed, "quick": args.quick, "map_epochs": map_epochs, "spec": spec}
     rows: dict[str, Any] = {}
 
     def score(name: str, group: str, predictor: BasePredictor, fit_s: float, recipe: Any,
@@ -275,17 +283,17 @@ def _run_seed_job(job: tuple[int, argparse.Namespace]) -> dict[str, Any]:
 # -- tables and the frontier --------------------------------------------------------------------
 def markdown(summary: dict[str, Any]) -> str:
     rows, meta = summary["rows"], summary["meta"]
+    spec = PROTOCOLS[meta.get("protocol", "digits-cnn")]
+    UNSEEN, SEEN = spec.unseen, spec.seen
     ref = rows["map"]["metrics"]
     lines = ["# Quality frontier: every family's defaults on a held-out-style protocol", "",
              f"Command: `{meta['command']}`  ",
              (f"Seeds {meta['seeds']}; bootstrap resamples {meta['bootstrap']}; torch "
              f"{meta['torch']}; peers {meta['peers']}; {meta['machine']}, {meta['date']}; "
              f"wall time {meta['wall_seconds']:.0f} s."), "",
-             ("Protocol: `benchmarks/protocols.py` (noisy digits, classes 0–7, pretrained CNN, "
-             "200 fine-tuning images; shifts *unseen* by the library: blur, contrast, translate, "
-             "occlude; *seen*: gaussian, salt-and-pepper, rotation; OOD: digits 8–9 + photo "
-             "patches). Mean over seeds ± bootstrap SE. `shift ratio` = unseen-shift NLL / the "
-             "starting network's."), "",
+             (f"Protocol: `benchmarks/protocols.py` `{spec.name}` ({spec.description}). Mean "
+             "over seeds ± bootstrap SE. `shift ratio` = unseen-shift NLL / the starting "
+             "network's."), "",
              ("| row | M | acc | clean NLL | ECE | unseen-shift NLL | shift ratio | seen-shift NLL "
              "| OOD AUROC (H) | OOD AUROC (MI) | T | fit s | predict s |"),
              "|" + "---|" * 13]
@@ -295,12 +303,13 @@ def markdown(summary: dict[str, Any]) -> str:
         if not m:
             lines.append(f"| {name} | failed: {'; '.join(row['errors'])[:160]} |")
             continue
-        unseen, seen = _mean_of(m, UNSEEN), _mean_of(m, SEEN)
+        unseen = _mean_of(m, UNSEEN)
+        seen_txt = f"{_mean_of(m, SEEN):.3f}" if SEEN else "—"
         mi = m.get("ood_auroc_mi", {}).get("value")
         lines.append(
             f"| {name} | {row['members']} | {m['accuracy']['value']:.3f} | "
             f"{m['nll']['value']:.3f} ± {m['nll']['se']:.3f} | {m['ece']['value']:.3f} | "
-            f"{unseen:.3f} | {unseen / base_unseen:.2f} | {seen:.3f} | "
+            f"{unseen:.3f} | {unseen / base_unseen:.2f} | {seen_txt} | "
             f"{m['ood_auroc']['value']:.3f} | {'n/a' if mi is None else f'{mi:.3f}'} | "
             f"{row['temperature']:.2f} | {row['fit_seconds']:.1f} | {row['predict_seconds']:.3f} |")
     lines += ["", "NLL under every shift:", "",
@@ -329,6 +338,7 @@ def frontier_png(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = summary["rows"]
+    UNSEEN = PROTOCOLS[summary["meta"].get("protocol", "digits-cnn")].unseen
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5.5))
     for name, row in rows.items():
         if not row["metrics"]:
@@ -340,7 +350,7 @@ def frontier_png(summary: dict[str, Any], path: Path) -> None:
         ax.annotate(name.replace("bayesify:", ""), (x, y), fontsize=7, xytext=(3, 3),
                     textcoords="offset points")
     ax.set_xlabel("clean test NLL")
-    ax.set_ylabel("NLL under unseen shifts (mean of 4 kinds)")
+    ax.set_ylabel(f"NLL under unseen shifts (mean of {len(UNSEEN)} kinds)")
     ax.set_title("frontier (lower-left is better); squares: MAP, MAP+TS")
     for name, search in summary.get("searches", {}).items():
         knob = next((k for k in search if f"{k}_grid" in search and f"{k}_shift_nll" in search),
@@ -374,10 +384,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--jobs", type=int, default=1, help="seeds run in parallel processes")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--protocol", choices=sorted(PROTOCOLS), default="digits-cnn",
+                        help="the quality protocol of benchmarks/protocols.py (default digits-cnn)")
+    parser.add_argument("--save-seeds", action="store_true",
+                        help="write each finished seed's raw scores to OUT/NAME_seedS.pt")
+    parser.add_argument("--merge", nargs="*", default=[],
+                        help="NAME_seedS.pt files of earlier runs (same protocol) to join")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     wall = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = ("quality" + ("" if args.protocol == "digits-cnn" else f"_{args.protocol}")
+            + ("_quick" if args.quick else ""))
+    merged = _merge(args.merge)
+    seeds = [seed for seed in seeds if seed not in merged]
     jobs = [(seed, args) for seed in seeds]
     if args.jobs > 1:
         import multiprocessing
@@ -386,7 +408,16 @@ def main(argv: list[str] | None = None) -> None:
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             per_seed = list(pool.map(_run_seed_job, jobs))
     else:
-        per_seed = [_run_seed_job(job) for job in jobs]
+        per_seed = []
+        for job in jobs:
+            per_seed.append(_run_seed_job(job))
+            if args.save_seeds:
+                _save_seed(per_seed[-1], out / f"{name}_seed{job[0]}.pt")
+    if args.jobs > 1 and args.save_seeds:
+        for run in per_seed:
+            _save_seed(run, out / f"{name}_seed{run['seed']}.pt")
+    per_seed = sorted(per_seed + list(merged.values()), key=lambda run: run["seed"])
+    seeds = [run["seed"] for run in per_seed]
     searches = {name: entry.get("search", {}) for name, entry in per_seed[0]["rows"].items()
                 if entry.get("search")}
     summary = aggregate(per_seed, num_boot=args.bootstrap)
@@ -397,14 +428,32 @@ def main(argv: list[str] | None = None) -> None:
         "wall_seconds": time.perf_counter() - wall, "torch": torch.__version__,
         "peers": _peer_versions(), "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} {torch.get_num_threads()} torch thread(s)",
+        "protocol": args.protocol, "merged": args.merge,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "quality_quick" if args.quick else "quality"
     (out / f"{name}.json").write_text(json.dumps(summary, indent=1, default=_jsonable))
     (out / f"{name}.md").write_text(markdown(summary))
     frontier_png(summary, out / f"{name}_frontier.png")
     print((out / f"{name}.md").read_text())
+
+
+def _save_seed(run: dict[str, Any], path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(run, tmp)
+    tmp.replace(path)
+
+
+def _merge(paths: list[str]) -> dict[int, dict[str, Any]]:
+    """Seed runs saved by ``--save-seeds`` (loaded with ``weights_only=True``), one per seed:
+    rows of the same seed from several files joined, the first file's row kept."""
+    runs: dict[int, dict[str, Any]] = {}
+    for path in paths:
+        run = torch.load(path, weights_only=True)
+        if run["seed"] in runs:
+            for row, entry in run["rows"].items():
+                runs[run["seed"]]["rows"].setdefault(row, entry)
+        else:
+            runs[run["seed"]] = run
+    return runs
 
 
 def _jsonable(value: Any) -> Any:

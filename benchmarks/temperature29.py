@@ -14,6 +14,10 @@ Writes ``results/issue29.json`` and ``results/issue29_frontier.png`` (seed 0: ev
 the chosen point, marglik, the start, MAP+TS, the deep ensemble).
 
     python benchmarks/temperature29.py --seeds 0 1 2 --ensemble
+    python benchmarks/temperature29.py --seeds 0 1 2 --protocol digits-vit   # protocol 2
+
+With ``--protocol`` other than ``digits-cnn`` the files are ``issue29_<protocol>.json`` and
+``issue29_<protocol>_frontier.png``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from protocols import pretrained, protocol, shifts
+from protocols import PROTOCOLS
 from quality import point_stats, predictions, temperature_scale
 
 import bayesify
@@ -73,14 +77,16 @@ def frontier(bnn: Any, tx, ty, shifted) -> list[dict[str, float]]:
 
 def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(seed)
-    p = protocol(seed)
+    spec = PROTOCOLS[args.protocol]
+    p = spec.build(seed)
     tx, ty = p.test.tensors
-    shifted = shifts(tx, seed)
+    shifted = spec.shifts(tx, seed)
     ood = torch.cat([p.ood_near, p.ood_far])
     start = time.perf_counter()
-    base = pretrained(p, seed, 0, epochs=60)
+    base = spec.pretrained(p, seed, 0, epochs=spec.map_epochs)
     map_s = time.perf_counter() - start
-    out: dict[str, Any] = {"seed": seed, "map_seconds": map_s, "rows": {}}
+    out: dict[str, Any] = {"seed": seed, "map_seconds": map_s, "rows": {},
+                           "protocol": args.protocol, "n_shifts": len(shifted)}
     out["rows"]["map"] = score(ModelPredictor(base), tx, ty, shifted, ood)
     ts = temperature_scale(base, p)
     out["rows"]["map+ts"] = {**score(ts, tx, ty, shifted, ood), "T": ts.temperature}
@@ -105,7 +111,8 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
               f"auroc {row['auroc']:.3f} fit {fit_s:.1f}s", flush=True)
     if args.ensemble:
         t0 = time.perf_counter()
-        members = [base] + [pretrained(p, seed, i, epochs=60) for i in range(1, 5)]
+        members = [base] + [spec.pretrained(p, seed, i, epochs=spec.map_epochs)
+                            for i in range(1, 5)]
         row = score(ModelPredictor(members), tx, ty, shifted, ood)
         row["fit_seconds"] = map_s + time.perf_counter() - t0
         out["rows"]["deep-ensemble-x5"] = row
@@ -144,7 +151,7 @@ def plot(run: dict[str, Any], path: Path) -> None:
     ax.set_ylim(0.9 * low, 1.3 * start["shift_nll"])
     ax.set_xlim(0.9 * min(r["clean_nll"] for r in run["rows"].values()), 1.0)
     ax.set_xlabel("clean test NLL (log scale; points beyond the axes left out)")
-    ax.set_ylabel("mean test NLL over 7 shifts")
+    ax.set_ylabel(f"mean test NLL over {run.get('n_shifts', 7)} shifts")
     ax.set_title(f"Last-layer Laplace, τ × T (predictive temperature), seed {run['seed']}; "
                  f"{len(taus)} τ × {len(TEMPERATURES)} T", fontsize=9)
     ax.legend(fontsize=8)
@@ -162,8 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ensemble-point", type=float, nargs=2, default=None,
                         metavar=("CLEAN", "SHIFT"), help="deep-ensemble (clean, shift) NLL of the "
                         "first seed measured elsewhere (quality.py), drawn in the plot")
+    parser.add_argument("--protocol", choices=sorted(PROTOCOLS), default="digits-cnn",
+                        help="the quality protocol of benchmarks/protocols.py (default digits-cnn)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    stem = "issue29" if args.protocol == "digits-cnn" else f"issue29_{args.protocol}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = [run for path in args.merge for run in json.loads(Path(path).read_text())]
@@ -174,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         clean, shift = args.ensemble_point
         runs[0]["rows"]["deep-ensemble-x5"] = {"clean_nll": clean, "shift_nll": shift,
                                                "source": "quality.py, same seed and protocol"}
-    (out / "issue29.json").write_text(json.dumps(runs, indent=1))
-    plot(runs[0], out / "issue29_frontier.png")
+    (out / f"{stem}.json").write_text(json.dumps(runs, indent=1))
+    plot(runs[0], out / f"{stem}_frontier.png")
 
 
 if __name__ == "__main__":

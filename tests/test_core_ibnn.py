@@ -112,7 +112,8 @@ def test_kl_matches_closed_form_reference():
         mu_hat = layer.mean.mean(0)
         std_hat = (layer.std.pow(2).sum(0) / k**2).sqrt()
         q = torch.distributions.Normal(mu_hat.double(), std_hat.double())
-        p = torch.distributions.Normal(torch.ones_like(mu_hat).double(), 0.2)
+        # per_network (default): the prior 0.2 is the network's, 0.2/√2 per node of 2 layers
+        p = torch.distributions.Normal(torch.ones_like(mu_hat).double(), 0.2 / math.sqrt(2))
         total += torch.distributions.kl_divergence(q, p).sum().item()
     assert math.isclose(bnn.kl().item(), total, rel_tol=1e-5)
 

@@ -219,3 +219,24 @@ def test_fit_calibrate_export_save_load(method, lite0, fresh_lite0, crops, tmp_p
     members = {} if method == "swag" else {"samples_per_component": 2, "seed": 3}
     expected = bnn.predictor(**members)(x_val).member_logits
     assert torch.equal(loaded.predictor(**members)(x_val).member_logits, expected)
+
+
+# -- iBNN's default spread on a 50-layer network (issue 37, item 6) ------------------------
+def test_default_ibnn_predictive_at_step_0_is_the_pretrained_networks(lite0, crops):
+    """Before any step the default iBNN predicts what the network predicts: the spread of its
+    means, its noise and its prior are the network's, divided over its 50 layers
+    (``per_network``). The paper's per-node values (``per_network=False``) move the
+    predictive by several times as much on the same 1000-class network."""
+    x = crops["val"][0]
+    with torch.no_grad():
+        base = torch.softmax(lite0(x), -1)
+        moved = {}
+        for per_network in (True, False):
+            torch.manual_seed(0)
+            bnn = bayesify(lite0, "ibnn", per_network=per_network).eval()
+            probs = bnn.predictor(samples_per_component=2)(x).probs
+            moved[per_network] = float(0.5 * (probs - base).abs().sum(-1).mean())  # TV
+            if per_network:
+                assert torch.equal(probs.argmax(-1), base.argmax(-1))
+    assert moved[True] < 0.2, moved  # measured 0.12 (per node: 0.57)
+    assert moved[False] > 3 * moved[True], moved

@@ -11,7 +11,7 @@ by its root cause, and the step guard that recovers —
   activation (EfficientNet-Lite0: logits of 1e15 before any step);
 * MNF's auxiliary bound divided by ``v = inf`` on channels whose weights are all zero
   (pruned depthwise channels): a finite loss with NaN gradients;
-* iBNN's initial spread is per network, not per layer (√L);
+* iBNN's spread (initial means and noise, prior) and lr are per network, not per layer (√L);
 * the guard: rolls back, halves the learning rate, says so, goes on; gives up after a
   bounded number of recoveries; the same for the base group, for ``GuardedStep`` in a
   loop of one's own; ``elbo_loss`` refuses a NaN.
@@ -217,7 +217,9 @@ def test_ibnn_initial_spread_is_per_network_not_per_layer():
         stds = torch.cat([m.std.detach().flatten() for m in layers])
         scale = 1 / math.sqrt(len(layers))
         assert float((means - 1).std()) == pytest.approx(0.1 * scale, rel=0.15)
-        assert float(stds.mean()) == pytest.approx(0.05, rel=0.15)  # the noise: per layer
+        assert float(stds.mean()) == pytest.approx(0.05 * scale, rel=0.15)  # the noise too
+        assert all(m.prior_std == pytest.approx(0.1 * scale) for m in layers)  # the prior
+        assert bnn.method.step().defaults["lr"] == pytest.approx(0.2 * scale)  # and the lr
         with torch.no_grad(), bnn.deterministic():
             members = bnn.member_logits(x, samples_per_component=1)  # [K, B, C]
             base = model(x)
@@ -253,8 +255,8 @@ def test_guard_recovers_by_halving_the_learning_rate(caplog, base_lr):
     model, train = _small_task()
     bnn = bayesify.bayesify(model, method="ibnn")
     with caplog.at_level(logging.WARNING, logger=GUARD):
-        result = bayesify.fit(bnn, train, epochs=2, base_lr=base_lr, progress=False, seed=0,
-                              callbacks=[PoisonAfter(bnn, at=[3])])
+        result = bayesify.fit(bnn, train, epochs=2, lr=0.2, base_lr=base_lr, progress=False,
+                              seed=0, callbacks=[PoisonAfter(bnn, at=[3])])
     said = guard_warnings(caplog)
     assert len(said) == 1, said
     assert said[0].startswith("ibnn: non-finite loss") and "epoch 0, step 3" in said[0]
@@ -272,7 +274,7 @@ def test_guard_gives_up_after_a_bounded_number_of_recoveries():
     model, train = _small_task(n=128)
     bnn = bayesify.bayesify(model, method="ibnn")
     with pytest.raises(NonFiniteLossError) as info:
-        bayesify.fit(bnn, train, epochs=3, progress=False, seed=0,
+        bayesify.fit(bnn, train, epochs=3, lr=0.2, progress=False, seed=0,
                      callbacks=[PoisonAfter(bnn, at=range(1, 100))])
     message = str(info.value)
     assert f"after {MAX_RECOVERIES} recoveries of method 'ibnn'" in message

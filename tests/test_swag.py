@@ -198,7 +198,7 @@ def _brute_force_nll(bnn, loader, scales) -> torch.Tensor:
 def test_scale_chosen_on_validation_matches_brute_force_and_round_trips(tmp_path):
     """Both rules of the joint (scale, temperature) search against a brute force over the
     public predictor: 'min' — the lowest clean validation NLL; 'shift' — the lowest NLL on
-    the shift loader among pairs within one paired SE of the calibrated start."""
+    the shift loader among pairs within one paired SE (at most 0.005) of the calibrated start."""
     from bayesify.core.selection import choose_joint
 
     TEMPERATURES = _swag_temperatures()
@@ -231,7 +231,9 @@ def test_scale_chosen_on_validation_matches_brute_force_and_round_trips(tmp_path
     assert temps["shift"] == pytest.approx(TEMPERATURES[t])
     # the shift rule is never clearly worse than the calibrated start on clean data
     diff = clean[v, t] - reference
-    assert diff.mean() <= diff.std() / math.sqrt(diff.numel()) + 1e-12
+    # (or, when no pair is that close, the pair with the lowest clean NLL of all)
+    assert (diff.mean() <= min(diff.std() / math.sqrt(diff.numel()), 0.005) + 1e-12
+            or (v, t) == divmod(int(clean.mean(-1).argmin()), len(TEMPERATURES)))
     # the chosen scale travels with the saved posterior
     bnn.state.set("swag_scale", chosen["shift"])
     bnn.save_posterior(tmp_path)

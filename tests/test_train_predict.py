@@ -106,7 +106,7 @@ def test_demo_writes_results_and_pngs(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path), "--map-epochs", "3", "--epochs", "1",
                  "--no-progress"]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results) == {"map", "ibnn"}
+    assert set(results) == {"map", "ibnn", "laplace"}  # the default and the recommended family
     for row in results.values():
         assert {"accuracy", "nll", "ece", "brier", "ood_auroc_entropy", "corrupt_nll"} <= set(row)
     assert (tmp_path / "reliability.png").stat().st_size > 1000

@@ -437,9 +437,11 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bayesify-demo",
                         help="output directory for results.json and the PNG figures "
                              "(default: %(default)s)")
-    parser.add_argument("--methods", default="ibnn",
+    parser.add_argument("--methods", default="ibnn,laplace",
                         help="comma-separated posterior families to compare with MAP, e.g. "
-                             "'ibnn,rank1,dropout' (default: %(default)s; see `bayesify methods`)")
+                             "'ibnn,rank1,dropout' (default: %(default)s — the default family "
+                             "and the one the quality benchmarks recommend; see `bayesify "
+                             "methods`)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the data split, MAP training and posterior (default: 0)")
     parser.add_argument("--map-epochs", type=int, default=40,

@@ -49,7 +49,7 @@ def evaluate_predictor(predictor: BasePredictor, loaders: dict[str, DataLoader],
 def run_demo(
     *,
     out_dir: str | Path = "bayesify-demo",
-    methods: list[str] | tuple[str, ...] = ("ibnn",),
+    methods: list[str] | tuple[str, ...] = ("ibnn", "laplace"),
     seed: int = 0,
     map_epochs: int = 40,
     epochs: int | None = None,

@@ -60,6 +60,11 @@ def choose(grid: list[float], per_value: list[torch.Tensor], *, rule: str,
     return order[-1] if prefer == "largest" else order[0]
 
 
+#: the most clean validation NLL (nats per example) a feasible candidate of
+#: :func:`choose_joint` may give up against the calibrated start
+CLEAN_TOLERANCE = 0.005
+
+
 def choose_joint(clean: torch.Tensor, shifted: torch.Tensor | None, reference: torch.Tensor, *,
                  prefer: str = "largest", grid: list[float] | None = None) -> tuple[int, int]:
     """``(value index, temperature index)`` of the joint knob × temperature search.
@@ -70,8 +75,12 @@ def choose_joint(clean: torch.Tensor, shifted: torch.Tensor | None, reference: t
     best temperature (start + temperature scaling).
 
     Feasible: candidates whose clean NLL is within one paired standard error of the
-    reference, ``mean(c − r) ≤ sd(c − r)/sqrt(n)`` — the clean validation split cannot tell
-    them from the calibrated start. Among them the one with the lowest mean shifted NLL
+    reference and at most :data:`CLEAN_TOLERANCE` nats above it,
+    ``mean(c − r) ≤ min(sd(c − r)/sqrt(n), 0.005)`` — the clean validation split cannot tell
+    them from the calibrated start, and what they give up on clean data is bounded in nats
+    whatever the split's noise (with one SE alone, ~200 validation examples let the
+    shifted-NLL choice sit 0.01–0.03 nats above the start; on test every family of the CNN
+    protocol's seed 0 ended 0.007–0.018 above it). Among them the one with the lowest mean shifted NLL
     (ties, and the case without a shift signal: the broadest value, ``prefer``, at its
     lowest clean NLL). With no feasible candidate: the lowest mean clean NLL.
     """
@@ -79,7 +88,8 @@ def choose_joint(clean: torch.Tensor, shifted: torch.Tensor | None, reference: t
     diff = clean - reference.view(1, 1, -1)
     mean = diff.mean(-1)
     se = diff.std(-1) / math.sqrt(max(n, 1))
-    feasible = torch.isfinite(mean) & (mean <= torch.nan_to_num(se, nan=0.0))
+    tolerance = torch.nan_to_num(se, nan=0.0).clamp(max=CLEAN_TOLERANCE)
+    feasible = torch.isfinite(mean) & (mean <= tolerance)
     clean_mean = torch.nan_to_num(clean.mean(-1), nan=math.inf)
     if not torch.isfinite(clean_mean).any():
         raise BayesifyError("every value of the validation grid gave a non-finite NLL")

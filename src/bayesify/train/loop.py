@@ -45,7 +45,7 @@ from bayesify.kit import laplace_heads
 from bayesify.progress import progress_bar
 from bayesify.train import evaluate as evaluation
 from bayesify.train import resume as ckpt
-from bayesify.train.best import BestState
+from bayesify.train.best import BestState, clearly_worse
 from bayesify.train.budget import (  # noqa: F401 - re-exported
     DEFAULT_FORWARDS,
     DEFAULT_MIN_STEPS,
@@ -319,7 +319,33 @@ def fit(
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
             # never worse than the start
             best.finish(state.history[-1], method.name, refused=tuple(step.refused))
+            if state.history[-1].get("kept", "last") != "last" and val_loader is not None:
+                _retune_kept(state, method, start, val_samples_per_component=val_samples_per_component,
+                             channels_last=channels_last, batch_fn=batch_fn, progress=progress)
         return result
+
+
+def _retune_kept(state: TrainContext, method: Any, start: dict[str, float],
+                 **validation: Any) -> None:
+    """The search's knobs and temperature belong to the state they were searched on: a
+    state kept instead of the last (an earlier epoch, the start) carries the values of
+    its own time (the start's: every knob neutral, T = 1), so the search runs again on it
+    and the record says what it now predicts."""
+    bnn, record = state.bnn, state.history[-1]
+    search = state.tune(method.knobs(bnn) + laplace_heads.heads_knob(bnn))
+    # the knobs and T chosen for the kept state; the record's val_* stay the last state's
+    record.update({k: v for k, v in search.items() if not k.startswith(("val_", "start_"))})
+    if "val_shift_nll" in search:
+        record["kept_val_shift_nll"] = search["val_shift_nll"]
+    metrics = evaluation.evaluate_sharded(
+        bnn, state.val_loader, state.ctx,
+        samples_per_component=validation["val_samples_per_component"], amp=state.amp,
+        channels_last=validation["channels_last"], batch_fn=validation["batch_fn"],
+        progress=validation["progress"] and state.ctx.is_main, desc="validate the kept state")
+    kept = {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}
+    record.update({"kept_val_nll": kept["val_nll"], "kept_val_accuracy": kept["val_accuracy"],
+                   "worse_than_start": bool(clearly_worse(start, kept))})
+    bnn.eval()
 
 
 def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str, Any] | None, *,

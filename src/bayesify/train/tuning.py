@@ -8,7 +8,8 @@ every candidate twice:
 
 * **clean**: the per-example NLL on the validation split; a candidate is *feasible* when the
   split cannot tell it from the starting network at its own best temperature (within one
-  paired standard error of start + temperature scaling);
+  paired standard error of start + temperature scaling, and at most 0.005 nats above it:
+  :data:`bayesify.core.selection.CLEAN_TOLERANCE`);
 * **shifted**: the per-example NLL on shifted copies of the same inputs — the user's
   ``shift_loader`` when given, else the library's perturbations
   (:mod:`bayesify.train.shift`: noise, masking and mixing at the strength that halves the
