@@ -368,7 +368,8 @@ def test_swag_that_ends_worse_hands_back_the_starting_network(caplog):
     with torch.no_grad(), bnn.deterministic():
         assert torch.equal(bnn(x), model(x))
     acc, nll, _ = bnn_metrics(bnn, data)  # the sampled members are the start too
-    assert acc == acc0 and nll == pytest.approx(nll0, rel=1e-4, abs=1e-6)
+    # (fit re-tunes the kept state's temperature: within the search's clean tolerance)
+    assert acc == acc0 and nll <= nll0 + 0.005
     assert nll == pytest.approx(last["kept_val_nll"], rel=1e-4, abs=1e-6)
 
 
