@@ -68,6 +68,8 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "--threads 1 --save-seeds (three row sets, joined with --merge); python "
              "benchmarks/per_seed.py; python benchmarks/temperature29.py --protocol digits-vit "
              "--seeds 0 1 2 --ensemble; the text is written by hand"),
+        Part("stress30.md", "Stress matrix: every family's defaults on trap networks (issue 30)",
+             "BAYESIFY_STRESS_TABLE=cells.jsonl pytest -m slow tests/test_stress_pretrained.py"),
         Part("issue7.md", "Temperature scaling, every family",
              "python benchmarks/issue7.py --out benchmarks/results/issue7.json",
              section="## Temperature scaling"),

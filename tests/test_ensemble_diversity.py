@@ -31,7 +31,7 @@ def test_bootstrap_members_differ_where_plain_members_stay_identical() -> None:
     assert _spread(plain) < 1e-6  # identical members on identical batches stay identical
     bagged, loader = _setup(bootstrap=True)
     fit(bagged, loader, epochs=2)
-    assert _spread(bagged) > 1e-3
+    assert _spread(bagged) > 1e-4  # ≫ 1e-6 (the default cosine rate is small at the end)
 
 
 def test_bootstrap_loss_is_the_poisson_weighted_member_mean() -> None:

@@ -13,7 +13,7 @@ from bayesify.core.digests import architecture_record, tensor_digests
 from bayesify.core.model import BayesianModel
 from bayesify.core.outputs import OutputFn, install_output_fn, resolve_output_fn
 from bayesify.core.registry import get_method_class
-from bayesify.core.walker import plan_targets, replace_modules
+from bayesify.core.walker import bypass_fused_paths, plan_targets, replace_modules
 from bayesify.errors import BayesifyError
 
 
@@ -72,6 +72,7 @@ def bayesify(
     if missing:
         raise BayesifyError(f"method {method!r} built no wrapper for target(s) {missing[:3]}")
     replace_modules(target_model, modules)
+    bypass_fused_paths(target_model)  # a fused transformer kernel would skip the wrappers
     install_output_fn(target_model, output_fn)
 
     bnn = BayesianModel(

@@ -241,3 +241,24 @@ def replace_modules(model: nn.Module, replacements: dict[str, nn.Module]) -> Non
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, new)
 
+
+
+def bypass_fused_paths(model: nn.Module) -> None:
+    """Keep PyTorch's fused inference kernels away from modules that contain wrappers.
+
+    In eval mode without gradients ``nn.TransformerEncoderLayer`` computes the whole block
+    from ``linear1.weight`` … in one fused call, and ``nn.TransformerEncoder`` packs padded
+    batches into nested tensors for it: a wrapper's forward (its noise, its members) is
+    skipped — a silent mean network for families with a mean weight, an ``AttributeError``
+    for the others. Two flags that only choose those kernels (``activation_relu_or_gelu``
+    of the layer, ``use_nested_tensor`` of the stack) are turned off where a wrapper sits
+    inside; what the block computes is unchanged.
+    """
+    def wraps(module: nn.Module) -> bool:
+        return any(isinstance(m, BayesianLayer) for m in module.modules())
+
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoderLayer) and wraps(module):
+            module.activation_relu_or_gelu = 0
+        elif isinstance(module, nn.TransformerEncoder) and wraps(module):
+            module.use_nested_tensor = False

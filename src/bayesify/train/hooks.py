@@ -37,7 +37,7 @@ def starting_metrics(bnn: BayesianModel, val_loader: Iterable, ctx: DistContext,
     base.batch_fn = batch_fn
     metrics = evaluation.evaluate_sharded(base, val_loader, ctx, amp=amp, batch_fn=batch_fn,
                                           progress=progress, desc="validate the start")
-    return {k: metrics[k] for k in ("accuracy", "nll") if k in metrics}
+    return {k: metrics[k] for k in ("accuracy", "nll", "n") if k in metrics}
 
 
 def worse_advice(family: str, refused: tuple[str, ...] = ()) -> str:

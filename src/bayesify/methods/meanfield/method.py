@@ -74,8 +74,11 @@ class MeanFieldMethod(SpreadKnob, NoiseFamily):
                   else RoundRobin(cfg.samples, self.components))
         # lr: μ are the pretrained weights themselves: SGD at 0.01 (momentum 0.9) walked a
         # pretrained BN CNN off its optimum within one epoch (accuracy 0.14 on one seed);
-        # 1e-3 is the fine-tuning step every seed and network tried kept within a point
-        return ElboStep(layout, lr=0.001, kl_weighting=self.kl_weight, groups=self.param_groups)
+        # 1e-3 is the fine-tuning step every seed and network tried kept within a point.
+        # clip_grad_norm 1: μ's gradient grows with the logit scale and 1/σ of frozen
+        # BatchNorm statistics; unclipped, a BN CNN with 20× logits ended at chance (issue 30)
+        return ElboStep(layout, lr=0.001, kl_weighting=self.kl_weight, groups=self.param_groups,
+                        defaults={"clip_grad_norm": 1.0})
 
     def kl_weight(self, step: int, steps_per_epoch: int) -> float:
         """Minibatch KL multiplier (see :func:`minibatch_kl_weight`)."""

@@ -85,6 +85,13 @@ def recompute(bnn: BayesianModel, config: SWAGConfig,
 def member_batchnorm(bnn: BayesianModel, config: SWAGConfig, num_members: int,
                      seed: int | None) -> list[dict[str, torch.Tensor]]:
     """BatchNorm statistics of every sampled member (recomputed once, then cached)."""
+    wrappers = bn_wrappers(bnn)
+    if wrappers and post.snapshots(layers(bnn)) == 1:
+        # one snapshot (the starting network kept by fit's never-worse rule): zero spread,
+        # every member is θ̄ and has θ̄'s statistics
+        return [{f"{n}.running_mean": w.running_mean for n, w in wrappers.items()}
+                | {f"{n}.running_var": w.running_var for n, w in wrappers.items()}
+                for _ in range(num_members)]
     source = bnn.runtime.get(BN_SOURCE)
     cached = bnn.runtime.get(_BN_CACHE)
     if cached is None or cached[0] is not source:  # statistics of another data source
@@ -93,7 +100,6 @@ def member_batchnorm(bnn: BayesianModel, config: SWAGConfig, num_members: int,
     key = (seed, num_members)
     if key in cache:
         return cache[key]
-    wrappers = bn_wrappers(bnn)
     if not wrappers or config.bn_update_fraction == 0:
         stats = [{}] * num_members
     elif (seed == 0 and num_members <= config.predict_samples
@@ -119,6 +125,10 @@ def store_batchnorm(bnn: BayesianModel, config: SWAGConfig) -> None:
     :class:`SWAGBatchNorm` buffers (so reloaded posteriors need no data)."""
     wrappers = bn_wrappers(bnn)
     if not wrappers or bnn.runtime.get(BN_SOURCE) is None or config.bn_update_fraction == 0:
+        return
+    if post.snapshots(layers(bnn)) == 1:
+        # one snapshot: the starting network kept by fit's never-worse rule; its statistics
+        # are the pretrained ones (re-estimating them from a small fit set cost Lite0 22 points)
         return
     mean_stats = recompute(bnn, config, {})
     for name, w in wrappers.items():

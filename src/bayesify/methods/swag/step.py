@@ -16,6 +16,7 @@ from bayesify.kit.steps import SnapshotStep
 from bayesify.methods.swag import posterior as post
 from bayesify.methods.swag import state
 from bayesify.methods.swag.config import SWAGConfig
+from bayesify.methods.swag.layers import SWAGBatchNorm, SWAGLayer
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -31,8 +32,11 @@ class SWAGStep(SnapshotStep):
 
     def __init__(self, config: SWAGConfig) -> None:
         super().__init__(
+            # clip_grad_norm 1: SGD's step on whole weights grows with the logit scale and
+            # 1/σ of the frozen BatchNorm statistics; unclipped, a BN CNN with 20× logits
+            # diverged at step 3 and SWAG averaged chance-level iterates (issue 30)
             defaults={"lr": config.lr, "momentum": config.momentum,
-                      "weight_decay": config.weight_decay},
+                      "weight_decay": config.weight_decay, "clip_grad_norm": 1.0},
             refused=("kl_anneal_epochs", "beta", "optimizer"),
             refusal="SWAG collects the iterates of plain SGD (no KL term, no other optimiser)",
         )
@@ -41,6 +45,10 @@ class SWAGStep(SnapshotStep):
     def ready(self, bnn: BayesianModel) -> bool:
         """The posterior exists once ``fit`` has built it."""
         return state.fitted(bnn)
+
+    def start_state(self, bnn: BayesianModel) -> dict[str, torch.Tensor]:
+        """The starting network as a SWAG posterior (see :func:`start_state`)."""
+        return start_state(bnn)
 
     def begin(self, ctx: FitContext) -> None:
         """The snapshot period in optimiser steps; moments reset."""
@@ -105,3 +113,38 @@ class SWAGStep(SnapshotStep):
         state.store_batchnorm(bnn, self.config)
         return {"snapshots": taken, "rank": post.collected_rank(layers),
                 "scale": state.scale(bnn)}
+
+
+@torch.no_grad()
+def start_state(bnn: BayesianModel) -> dict[str, torch.Tensor]:
+    """The starting network as a fitted SWAG posterior of zero spread (``state_dict`` keys):
+    θ̄ = θ₀, one snapshot (mean θ₀, mean of squares θ₀², no deviations), the pretrained
+    BatchNorm statistics for θ̄ and every member, temperature 1. What ``fit``'s never-worse
+    rule (:mod:`bayesify.train.best`) hands back when the SGD trajectory ended clearly worse
+    than its start: the iterates are averaged, not rewound step by step."""
+    out: dict[str, torch.Tensor] = {}
+    for name, module in bnn.named_modules():
+        if isinstance(module, SWAGLayer):
+            for pname in module.param_names:
+                key = pname.replace(".", "__")
+                theta0 = module.base_layer.get_parameter(pname).detach()
+                mean = module.moments.mean(key)
+                out[f"{name}.theta.{key}"] = theta0.clone()
+                out[f"{name}.moments.{key}_mean"] = theta0.to(mean.device, mean.dtype).clone()
+                out[f"{name}.moments.{key}_sq_mean"] = out[f"{name}.moments.{key}_mean"].square()
+                out[f"{name}.moments.{key}_dev"] = torch.zeros_like(getattr(module.moments,
+                                                                             f"{key}_dev"))
+            out[f"{name}.moments.count"] = torch.ones_like(module.moments.count)
+        elif isinstance(module, SWAGBatchNorm):
+            base = module.base_layer
+            out[f"{name}.running_mean"] = base.running_mean.detach().clone()
+            out[f"{name}.running_var"] = base.running_var.detach().clone()
+            out[f"{name}.member_mean"] = base.running_mean.detach().expand_as(
+                module.member_mean).clone()
+            out[f"{name}.member_var"] = base.running_var.detach().expand_as(
+                module.member_var).clone()
+    current = bnn.state_dict()
+    for key, value in {"state.temperature": 1, "state.swag_fitted": 1,
+                       "state.swag_bn_members": 1}.items():
+        out[key] = torch.full_like(current[key], value)
+    return out
