@@ -13,7 +13,9 @@ from tests.test_registry_state import loader, model
 def test_hand_written_loop_matches_fit():
     data = loader(n=40, batch=8)  # sequential order: fit's seeded order is the same
     by_fit = bayesify(model(), "ensemble")
-    fit(by_fit, data, epochs=2, lr=0.05, seed=0, progress=False)
+    # the ensemble's defaults: cosine rate (here constant, to write the loop plainly) and the
+    # gradient norm clipped at 1 (below)
+    fit(by_fit, data, epochs=2, lr=0.05, lr_schedule="constant", seed=0, progress=False)
 
     mine = bayesify(model(), "ensemble")
     opt = torch.optim.SGD(mine.posterior_parameters(), lr=0.05, momentum=0.9, nesterov=True)
@@ -23,6 +25,7 @@ def test_hand_written_loop_matches_fit():
             terms = elbo_loss(mine, (x, y), n_train=40)
             opt.zero_grad()
             terms.loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(mine.posterior_parameters()), 1.0)
             opt.step()
     for (name, a), (_, b) in zip(by_fit.named_posterior_parameters(),
                                  mine.named_posterior_parameters()):
