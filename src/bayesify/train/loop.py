@@ -29,7 +29,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -274,6 +274,10 @@ def fit(
                          val_every=val_every, samples_per_component=val_samples_per_component)
         best = BestState(state, start, fresh=payload is None, batch_fn=batch_fn,
                          samples_per_component=val_samples_per_component)
+        validate = functools.partial(evaluation.evaluate_sharded, bnn, val_loader, ctx,
+                                     samples_per_component=val_samples_per_component,
+                                     amp=state.amp, channels_last=channels_last,
+                                     batch_fn=batch_fn, progress=progress)
         if step.optimizes:
             _forward(state, compile=compile, find_unused_parameters=find_unused_parameters)
         result = FitResult(history=state.history)
@@ -298,11 +302,7 @@ def fit(
             if val_loader is not None and clock.should_validate(record, epoch=state.epoch,
                                                                 is_last=is_last):
                 began = time.perf_counter()
-                metrics = evaluation.evaluate_sharded(bnn, val_loader, ctx,
-                                           samples_per_component=val_samples_per_component,
-                                           amp=state.amp, channels_last=channels_last,
-                                           batch_fn=batch_fn, progress=progress,
-                                           desc=f"validate epoch {state.epoch + 1}")
+                metrics = validate(desc=f"validate epoch {state.epoch + 1}")
                 record["val_seconds"] = clock.validated(time.perf_counter() - began)
                 record.update({f"val_{k}": v for k, v in metrics.items() if isinstance(v, float)})
                 best.see(record, is_last=is_last)
@@ -319,14 +319,13 @@ def fit(
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
             # never worse than the start
             best.finish(state.history[-1], method.name, refused=tuple(step.refused))
-            if state.history[-1].get("kept", "last") != "last" and val_loader is not None:
-                _retune_kept(state, method, start, val_samples_per_component=val_samples_per_component,
-                             channels_last=channels_last, batch_fn=batch_fn, progress=progress)
+            if state.history[-1].get("kept", "last") != "last":  # only with a val_loader
+                _retune_kept(state, method, start, validate)
         return result
 
 
 def _retune_kept(state: TrainContext, method: Any, start: dict[str, float],
-                 **validation: Any) -> None:
+                 validate: Callable[..., dict[str, Any]]) -> None:
     """The search's knobs and temperature belong to the state they were searched on: a
     state kept instead of the last (an earlier epoch, the start) carries the values of
     its own time (the start's: every knob neutral, T = 1), so the search runs again on it
@@ -337,11 +336,7 @@ def _retune_kept(state: TrainContext, method: Any, start: dict[str, float],
     record.update({k: v for k, v in search.items() if not k.startswith(("val_", "start_"))})
     if "val_shift_nll" in search:
         record["kept_val_shift_nll"] = search["val_shift_nll"]
-    metrics = evaluation.evaluate_sharded(
-        bnn, state.val_loader, state.ctx,
-        samples_per_component=validation["val_samples_per_component"], amp=state.amp,
-        channels_last=validation["channels_last"], batch_fn=validation["batch_fn"],
-        progress=validation["progress"] and state.ctx.is_main, desc="validate the kept state")
+    metrics = validate(desc="validate the kept state")
     kept = {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}
     record.update({"kept_val_nll": kept["val_nll"], "kept_val_accuracy": kept["val_accuracy"],
                    "worse_than_start": bool(clearly_worse(start, kept))})
