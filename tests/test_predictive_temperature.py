@@ -240,11 +240,42 @@ def test_an_old_calibration_file_is_refused(tmp_path):
 
 
 def test_only_families_whose_spread_grows_off_the_data_are_sharpened(trained):
-    """Laplace's search covers T < 1; the others keep T ≥ 1 (sharpening their predictive
-    cost shift NLL on the quality protocol, benchmarks/results/issue29.md)."""
-    from bayesify.train.tuning import _columns, sharpening_allowed
+    """Laplace's search covers T < 1; the others keep T ≥ 1 unless the start itself is
+    under-confident (sharpening their broad predictive cost shift NLL on the quality
+    protocol, benchmarks/results/issue29.md)."""
+    from bayesify.train.tuning import _columns, sharpening_allowed, temperature_floor
 
     laplace, ibnn = bayesify(trained, "laplace"), bayesify(trained, "ibnn")
     assert sharpening_allowed(laplace) and not sharpening_allowed(ibnn)
     assert min(TEMPERATURES[i] for i in _columns(laplace)) == pytest.approx(0.05)
     assert min(TEMPERATURES[i] for i in _columns(ibnn)) == 1.0
+    # the start's per-example NLL at every temperature: best at T = 0.5
+    t = torch.tensor(TEMPERATURES, dtype=torch.float64)
+    curve = (t.log() - math.log(0.5)) ** 2  # 0 at T = 0.5, 0.48 at T = 1
+    half = min(TEMPERATURES, key=lambda v: abs(v - 0.5))
+    for gain, floor in [(1.0, half), (0.004 / float(curve[TEMPERATURES.index(1.0)]), 1.0)]:
+        per_t = (0.3 + gain * curve).view(-1, 1).expand(-1, 50)
+        assert temperature_floor(ibnn, per_t) == pytest.approx(floor)
+        assert temperature_floor(laplace, per_t) == pytest.approx(0.05)
+
+
+def test_an_under_confident_start_lets_every_family_sharpen_to_its_temperature(trained):
+    """A network whose logits are 0.3× its trained ones (an under-confident start, e.g.
+    a large weight decay) is best at T < 1: the search gives the family that temperature
+    range, and its clean validation NLL reaches the calibrated start's (at T ≥ 1 it could
+    not: the start at T = 1 is far above)."""
+    import copy
+
+    soft = copy.deepcopy(trained)
+    with torch.no_grad():
+        soft.fc.weight.mul_(0.3)
+        soft.fc.bias.mul_(0.3)
+    bnn = bayesify(soft, "ensemble", components=2)
+    record = tune(bnn, _loader(300, 3), progress=False)
+    x, y = _data(300, 3)
+    with torch.no_grad():
+        at_one = nn.functional.cross_entropy(soft(x), y).item()
+    assert record["temperature_floor"] < 0.6 and record["start_temperature"] < 0.6
+    assert record["temperature"] < 1.0
+    assert record["start_val_nll"] < at_one - 0.05
+    assert record["val_nll"] <= record["start_val_nll"] + 0.005

@@ -22,10 +22,14 @@ chosen (:func:`bayesify.core.selection.choose_joint`); ties go to the broadest p
 (``softmax(log p̄ / T)``, :meth:`~bayesify.core.prediction.Prediction.scaled`) and is searched
 on :data:`TEMPERATURES` (0.05 to 4, log grid) for families whose spread is larger off the
 data (``sharpens_predictive`` on the family class: Laplace — a GLM's epistemic variance
-grows off the data, so a sharpened broad posterior stays broad there), and on its part
-T ≥ 1 for every other family (sharpening their predictive cost shift NLL on the quality
-protocol: ibnn seed 1, 2.42 → 3.41; see benchmarks/results/issue29.md); the starting
-network's reference temperature comes from the same range ("start + temperature
+grows off the data, so a sharpened broad posterior stays broad there). Every other family
+may sharpen only as far as the *starting network* needs (:func:`temperature_floor`): down
+to the start's own best temperature when sharpening the start buys more than
+:data:`~bayesify.core.selection.CLEAN_TOLERANCE` of clean validation NLL (an under-confident
+network, e.g. one trained with a large weight decay: start 0.47 → 0.29 nats at T ≈ 0.5),
+else T ≥ 1 (sharpening a broad posterior to buy back its clean NLL cost shift NLL on the
+quality protocol: ibnn seed 1, 2.42 → 3.41; benchmarks/results/issue29.md). The
+starting network's reference temperature comes from the same range ("start + temperature
 scaling"), and the feasibility rule keeps only what the clean split can vouch for. The choice is installed as the posterior's temperature
 (``bnn.state.temperature``, ``bnn.temperature_source = "search"``, saved and exported with
 it; ``calibrate`` refuses to move it without ``force=True``); families without a knob get the
@@ -58,7 +62,7 @@ from bayesify.core.batch import Batch, BatchFn, call_model
 from bayesify.core.fitting import Knob
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import temper
-from bayesify.core.selection import choose_joint, log_grid
+from bayesify.core.selection import CLEAN_TOLERANCE, choose_joint, log_grid
 from bayesify.errors import BayesifyError
 from bayesify.kit import laplace_heads
 from bayesify.metrics import per_example_nll
@@ -95,11 +99,34 @@ def sharpening_allowed(bnn: BayesianModel) -> bool:
     return bool(getattr(type(bnn.method), "sharpens_predictive", False))
 
 
-def _columns(bnn: BayesianModel) -> list[int]:
-    """Indices of :data:`TEMPERATURES` the search considers for ``bnn``."""
+def temperature_floor(bnn: BayesianModel, start_nll: torch.Tensor | None = None) -> float:
+    """The lowest temperature the search may give ``bnn``'s predictive.
+
+    Families that sharpen (``sharpens_predictive``): the grid's lowest. The others: the
+    starting network's best temperature when the start is under-confident — sharpening it
+    lowers its mean clean validation NLL by more than
+    :data:`~bayesify.core.selection.CLEAN_TOLERANCE` against its best T ≥ 1 — else 1. A
+    posterior may correct its network's under-confidence, never buy back its own breadth.
+    ``start_nll``: the start's ``[T, n]`` per-example NLL at every temperature (None: 1).
+    """
     if sharpening_allowed(bnn):
-        return list(range(len(TEMPERATURES)))
-    return [i for i, t in enumerate(TEMPERATURES) if t >= 1.0]
+        return TEMPERATURES[0]
+    if start_nll is None:
+        return 1.0
+    means = start_nll.mean(-1)
+    soft = [i for i, t in enumerate(TEMPERATURES) if t >= 1.0]
+    best_soft = min(float(means[i]) for i in soft)
+    best = int(means.argmin())
+    if best_soft - float(means[best]) > CLEAN_TOLERANCE:
+        return min(1.0, TEMPERATURES[best])
+    return 1.0
+
+
+def _columns(bnn: BayesianModel, start_nll: torch.Tensor | None = None) -> list[int]:
+    """Indices of :data:`TEMPERATURES` the search considers for ``bnn``
+    (:func:`temperature_floor` and above)."""
+    floor = temperature_floor(bnn, start_nll)
+    return [i for i, t in enumerate(TEMPERATURES) if t >= floor - 1e-12]
 
 
 def _gather(parts: list[torch.Tensor], ctx: DistContext) -> torch.Tensor:
@@ -166,22 +193,24 @@ def candidate_nll(bnn: BayesianModel, batches: Batches, ctx: DistContext,
 
 @torch.no_grad()
 def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
-                   signal: bool) -> tuple[torch.Tensor, int, ShiftSignal | None]:
-    """The starting network's per-example clean NLL at its best temperature ``[n]``, that
-    temperature's index, and the shift signal calibrated on it (``signal``)."""
+                   signal: bool) -> tuple[torch.Tensor, int, list[int], ShiftSignal | None]:
+    """The starting network's per-example clean NLL at its best temperature ``[n]`` (of the
+    range :func:`temperature_floor` allows ``bnn``), that temperature's index, the indices
+    of the temperatures the search may give ``bnn`` and the shift signal calibrated on the
+    start (``signal``)."""
     base = bnn.unwrap().eval()
 
     def logits(batch: Batch) -> torch.Tensor:
         return logits_of(call_model(base, batch.model_input())).float()
 
     per_t = _gather([_base_nll(logits(batch), batch) for batch in batches()], ctx)
-    columns = _columns(bnn)
+    columns = _columns(bnn, per_t)
     best = columns[int(per_t[columns].mean(1).argmin())]
     shift = None
     if signal:
         local = calibrate_shift(logits, batches) if ctx.is_main or not ctx.distributed else None
         shift = broadcast_object(local, ctx) if ctx.distributed else local
-    return per_t[best], best, shift
+    return per_t[best], best, columns, shift
 
 
 def _base_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -201,10 +230,11 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     was_training = bnn.training
     bnn.eval()
     try:
-        reference, start_t, shift = starting_point(bnn, batches, ctx,
-                                                   signal=shift_batches is None)
+        reference, start_t, allowed, shift = starting_point(bnn, batches, ctx,
+                                                            signal=shift_batches is None)
         record.update({"start_val_nll": float(reference.mean()),
                        "start_temperature": TEMPERATURES[start_t],
+                       "temperature_floor": TEMPERATURES[allowed[0]],
                        "shift": "shift_loader" if shift_batches is not None
                        else (shift.describe() if shift is not None else {})})
         plan = knobs or [None]
@@ -221,9 +251,9 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                 clean.append(c)
                 shifted.append(s)
                 bar.update(1)
-            # the temperatures considered: T ≥ 1 unless the family sharpens; only 1 without
-            # the temperature search
-            columns = _columns(bnn) if temperature else [TEMPERATURES.index(1.0)]
+            # the temperatures considered: from the floor up (temperature_floor); only 1
+            # without the temperature search
+            columns = allowed if temperature else [TEMPERATURES.index(1.0)]
             clean_t = torch.stack(clean)[:, columns]
             shifted_t = None if shifted[0] is None else torch.stack(shifted)[:, columns]
             if knob is not None and knob.rule == "min":  # the lowest clean NLL, nothing else
