@@ -99,7 +99,7 @@ def test_decomposition_after_tempering_splits_the_tempered_entropy_in_posterior_
 
 
 def test_the_search_grid_sharpens_and_softens():
-    assert min(TEMPERATURES) == pytest.approx(0.05) and max(TEMPERATURES) == pytest.approx(4.0)
+    assert min(TEMPERATURES) == pytest.approx(0.05) and max(TEMPERATURES) == pytest.approx(16.0)
     assert 1.0 in TEMPERATURES and len(set(TEMPERATURES)) == len(TEMPERATURES)
     ratios = [b / a for a, b in itertools.pairwise(TEMPERATURES)]
     assert max(ratios) < 1.5  # a log grid, no gaps
