@@ -60,6 +60,35 @@ def test_a_destructive_fit_hands_back_the_start(pretrained, caplog):
     assert metrics["accuracy"] >= result[0]["start_val_accuracy"] - 0.01
 
 
+def test_a_fit_the_search_cannot_make_feasible_hands_back_the_start():
+    """Within 10 % of the start's NLL (not "clearly worse") but more than the search's
+    0.005 nats above the start at its best temperature: no (knob, T) was feasible, so the
+    start is a candidate too, and it is kept."""
+    from bayesify.train.best import infeasible
+
+    torch.manual_seed(0)
+    x = torch.randn(200, 4)
+    y = (x[:, 0] + 0.5 * torch.randn(200) > 0).long()  # noisy labels: start NLL ≈ 0.26
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    for _ in range(60):
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    data = DataLoader(TensorDataset(x, y), batch_size=50)
+    bnn = bayesify(net.eval(), "ibnn", init_mean_std=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = fit(bnn, data, val_loader=data, lr=0.6, epochs=3, progress=False, seed=0)
+    last, start = result.last, {"accuracy": result[0]["start_val_accuracy"],
+                                "nll": result[0]["start_val_nll"]}
+    assert not clearly_worse(start, last) and infeasible(last)
+    assert last["kept"] == "start"
+    assert last["kept_val_nll"] <= last["start_tempered_val_nll"] + 0.005
+    assert infeasible({"val_nll": 0.298, "start_tempered_val_nll": 0.294}) == []
+    assert infeasible({"val_nll": 0.300}) == []
+
+
 def test_a_good_fit_keeps_its_last_state(pretrained):
     net, data = pretrained
     bnn = bayesify(net, "ibnn", init_mean_std=0.0)

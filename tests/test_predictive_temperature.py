@@ -277,5 +277,5 @@ def test_an_under_confident_start_lets_every_family_sharpen_to_its_temperature(t
         at_one = nn.functional.cross_entropy(soft(x), y).item()
     assert record["temperature_floor"] < 0.6 and record["start_temperature"] < 0.6
     assert record["temperature"] < 1.0
-    assert record["start_val_nll"] < at_one - 0.05
-    assert record["val_nll"] <= record["start_val_nll"] + 0.005
+    assert record["start_tempered_val_nll"] < at_one - 0.05
+    assert record["val_nll"] <= record["start_tempered_val_nll"] + 0.005

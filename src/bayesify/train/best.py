@@ -4,10 +4,11 @@ A fit with a ``val_loader`` validates the network it starts from (the base, thro
 :func:`~bayesify.train.hooks.starting_metrics`) and its posterior at the end of validated
 epochs. When the last validation is *clearly worse* than the start (:func:`clearly_worse`:
 NLL more than 10 % higher, or accuracy more than one point lower with an NLL no better),
-the fit does not hand that
-state back: of the last state, the best earlier validated epoch and the state it began with
-(validated then, only in this case), it keeps the one with the lowest validation NLL, logs
-which, and marks the last history record::
+or when the validation search found no feasible candidate (:func:`infeasible`: its
+choice is more than 0.005 nats of clean NLL above the start at the start's best
+temperature), the fit does not hand that state back: of the last state, the best earlier
+validated epoch and the state it began with (validated then, only in this case), it keeps
+the one with the lowest validation NLL, logs which, and marks the last history record::
 
     {"kept": "last" | "epoch 3" | "start", "kept_val_nll": ..., "kept_val_accuracy": ...,
      "worse_than_start": bool}
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bayesify.core.selection import CLEAN_TOLERANCE
 from bayesify.train import evaluate as evaluation
 from bayesify.train.hooks import worse_advice
 
@@ -78,6 +80,21 @@ def clearly_worse(start: dict[str, float], metrics: dict[str, Any], *,
     if nll_worse:
         worse.append(f"NLL {nll:.4f} > {start['nll']:.4f}")
     return worse
+
+
+def infeasible(record: dict[str, Any]) -> list[str]:
+    """The last state's searched clean validation NLL is above the start's at its best
+    temperature by more than the search's tolerance
+    (:data:`~bayesify.core.selection.CLEAN_TOLERANCE`): no candidate of the search was
+    feasible, so the last state is worse than simply tempering the starting network, and
+    the earlier states are candidates too. Empty without a search record."""
+    nll, reference = record.get("val_nll"), record.get("start_tempered_val_nll")
+    if nll is None or reference is None or not math.isfinite(nll):
+        return []
+    if nll > reference + CLEAN_TOLERANCE + 1e-6:
+        where = "the start at its best temperature"
+        return [f"NLL {nll:.4f} > {reference:.4f} + {CLEAN_TOLERANCE:g} ({where})"]
+    return []
 
 
 def _snapshot(bnn: BayesianModel) -> dict[str, torch.Tensor]:
@@ -124,7 +141,7 @@ class BestState:
         start, ctx = self.start or {}, self.state.ctx
         kept, metrics = "last", {"val_nll": last["val_nll"],
                                  "val_accuracy": last.get("val_accuracy", 0.0)}
-        worse = clearly_worse(start, last)
+        worse = clearly_worse(start, last) or infeasible(last)
         if worse and (self.restores or self.start_state is not None):
             candidates = [("last", metrics, None)]
             if self.best is not None:
