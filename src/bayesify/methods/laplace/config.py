@@ -31,6 +31,14 @@ class LaplaceConfig(MethodConfig):
         "'val_nll' (grid search on fit(val_loader=...)), or 'fixed'."
     )
     prior_per_layer: bool = option(False, "One τ per wrapped layer instead of one scalar (marglik).")
+    keep_accuracy: float | None = option(
+        0.01, "Without validation data ('auto' resolved to 'marglik', last layer, probit or "
+        "bridge link): τ is raised from the evidence's by factors of √10 until the "
+        "predictive's accuracy on the training examples (the first 4096 of each process) is "
+        "within this of the MAP's (a head with many classes the data never shows — an ImageNet head fitted "
+        "on a few classes — gets the prior's spread on those and can flip the argmax). None: "
+        "the evidence's τ as it is."
+    )
     marglik_steps: int = option(100, "Adam steps on log τ.")
     marglik_lr: float = option(0.1, "Adam learning rate on log τ.")
     val_grid: tuple[float, float, int] = option(
@@ -76,6 +84,8 @@ class LaplaceConfig(MethodConfig):
         require(isinstance(self.marglik_steps, int) and self.marglik_steps >= 0,
                 f"marglik_steps must be an integer >= 0, got {self.marglik_steps!r}")
         require(self.marglik_lr > 0, f"marglik_lr must be > 0, got {self.marglik_lr}")
+        require(self.keep_accuracy is None or 0 <= self.keep_accuracy < 1,
+                f"keep_accuracy must be None or in [0, 1), got {self.keep_accuracy!r}")
         require(len(self.val_grid) == 3 and 0 < self.val_grid[0] < self.val_grid[1]
                 and int(self.val_grid[2]) >= 2,
                 f"val_grid must be (low > 0, high > low, count >= 2), got {self.val_grid!r}")

@@ -6,6 +6,7 @@ data the driver's knob search chooses τ instead (``LaplaceMethod.knobs``).
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from bayesify.core.checks import check_finite_inputs, check_finite_logits, check
 from bayesify.core.fitting import FitContext
 from bayesify.core.names import in_base_layer
 from bayesify.core.outputs import logits_of
+from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
 from bayesify.kit.steps import CurvatureStep
 from bayesify.methods.laplace import curvature as curv
@@ -26,6 +28,14 @@ from bayesify.methods.laplace.layers import LaplaceLayer
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
+
+logger = logging.getLogger(__name__)
+
+
+#: training examples (per process) the accuracy guard of ``keep_accuracy`` predicts
+GUARD_ROWS = 4096
+#: τ × these factors are the guard's candidates (the evidence's τ first)
+GUARD_FACTORS = tuple(10.0 ** (k / 2) for k in range(9))
 
 
 def resolved_prior_method(config: LaplaceConfig, validating: bool) -> str:
@@ -42,6 +52,8 @@ class LaplaceStep(CurvatureStep):
 
     def __init__(self, config: LaplaceConfig) -> None:
         self.config = config
+        #: (features ã, labels) of the first GUARD_ROWS training examples (last layer)
+        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def ready(self, bnn: BayesianModel) -> bool:
         """The posterior exists once ``fit`` has built it."""
@@ -56,6 +68,7 @@ class LaplaceStep(CurvatureStep):
         bnn.state.set("laplace_train_loss", 0.0)
         bnn.state.set("laplace_fitted", 0)
         state.forget_posterior(bnn)
+        self._rows = []
 
     @torch.no_grad()
     def accumulate(self, bnn: BayesianModel, inputs: Any, labels: torch.Tensor) -> None:
@@ -82,6 +95,10 @@ class LaplaceStep(CurvatureStep):
                 logits = self._subnetwork_batch(bnn, found, inputs)
         check_finite_logits(logits, where="laplace fit")
         labels = check_labels(labels, logits.shape[-1], where="laplace fit")
+        kept = sum(len(y) for _, y in self._rows)
+        if state.last_layer(bnn) and feats is not None and kept < GUARD_ROWS:
+            take = GUARD_ROWS - kept
+            self._rows.append((feats[:take].float().cpu(), labels[:take].cpu()))
         loss = F.cross_entropy(logits.double(), labels, reduction="sum")
         total = bnn.state.get_buffer("laplace_train_loss")
         total.add_(loss.to(total.device, total.dtype))
@@ -117,9 +134,55 @@ class LaplaceStep(CurvatureStep):
                     (-state.log_marginal_likelihood(bnn, cfg, log_tau.exp())).backward()
                     opt.step()
             state.set_prior_precision(bnn, log_tau.detach().exp())
+            if cfg.prior_method == "auto" and cfg.keep_accuracy is not None:
+                record.update(self._keep_accuracy(ctx))
         if method != "val_nll":
             record.update(state.evidence_record(bnn, cfg))
         return record
+
+    def _keep_accuracy(self, ctx: FitContext) -> dict[str, Any]:
+        """Raise τ (×√10 steps, :data:`GUARD_FACTORS`) until the predictive's accuracy on the
+        kept training examples is within ``keep_accuracy`` of the MAP's; every rank counts
+        its own examples and all choose from the summed counts. Last layer, probit / bridge
+        link only (the MC link's argmax is a sample's)."""
+        bnn, cfg = ctx.bnn, self.config
+        if not state.last_layer(bnn) or cfg.link == "mc":
+            return {}
+        posterior = state.posterior(bnn, cfg)
+        tau = state.prior_precision(bnn, cfg)
+        device, dtype = posterior.mean.device, posterior.mean.dtype
+        correct = torch.zeros(len(GUARD_FACTORS) + 2, dtype=torch.float64, device=device)
+        for feats, labels in self._rows:
+            feats, labels = feats.to(device, dtype), labels.to(device)
+            f = feats @ posterior.mean.T
+            correct[0] += (f.argmax(-1) == labels).sum()
+            for k, factor in enumerate(GUARD_FACTORS):
+                diag, rowsum, total = posterior.functional_variance(feats, tau * factor)
+                probs = Prediction(mean=f.float(), variance=diag.float(), link=cfg.link,
+                                   rowsum=rowsum.float(), total=total.float()).probs
+                correct[k + 1] += (probs.argmax(-1) == labels).sum()
+            correct[-1] += len(labels)
+        self._rows = []
+        counts = ctx.all_reduce_sum(correct)
+        n = float(counts[-1])
+        if n == 0:
+            return {}
+        accuracy = (counts[:-1] / n).tolist()
+        chosen = next((k for k in range(len(GUARD_FACTORS))
+                       if accuracy[k + 1] >= accuracy[0] - cfg.keep_accuracy - 1e-12),
+                      len(GUARD_FACTORS) - 1)
+        if chosen > 0:
+            state.set_prior_precision(bnn, tau * GUARD_FACTORS[chosen])
+            state.forget_posterior(bnn)
+            logger.info(
+                "laplace: the evidence's prior precision %.3g lost %.1f accuracy points against "
+                "the MAP on %d training examples; τ raised ×%.3g to %.3g (keep_accuracy=%g; "
+                "pass a val_loader to choose τ on validation data)", float(tau.reshape(-1)[0]),
+                100 * (accuracy[0] - accuracy[1]), int(n), GUARD_FACTORS[chosen],
+                float((tau * GUARD_FACTORS[chosen]).reshape(-1)[0]), cfg.keep_accuracy)
+        return {"marglik_prior_precision": float(tau.reshape(-1)[0]),
+                "guard_train_accuracy_map": accuracy[0],
+                "guard_train_accuracy": accuracy[chosen + 1]}
 
     def _features(self, layer: LaplaceLayer, logits: torch.Tensor, *,
                   check: bool) -> torch.Tensor | None:
