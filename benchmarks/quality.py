@@ -23,6 +23,8 @@ curve (clean against shifted validation NLL per knob value).
     python benchmarks/quality.py --quick                    # 1 seed, fewer rows' epochs
     python benchmarks/quality.py --protocol digits-vit      # protocol 2: a tiny ViT (LayerNorm)
 
+``--variant LABEL FAMILY key=value … fit.key=value …`` adds a row of a family with other
+options (e.g. ``--variant ibnn-authors ibnn per_network=False fit.base_lr=1e-4``).
 ``--protocol`` picks the protocol of ``benchmarks/protocols.py`` (default ``digits-cnn``);
 ``--save-seeds`` writes every finished seed's raw scores beside the tables and ``--merge``
 reads such files back (their seeds are not re-run; rows of one seed in several files are
@@ -93,10 +95,13 @@ def point_stats(pred: Prediction, labels: torch.Tensor | None) -> dict[str, torc
 
 
 # -- rows ---------------------------------------------------------------------------------------
-def family_row(name: str) -> Callable[..., tuple[BasePredictor, dict[str, Any]]]:
+def family_row(name: str, options: dict[str, Any] | None = None,
+               fit_options: dict[str, Any] | None = None,
+               ) -> Callable[..., tuple[BasePredictor, dict[str, Any]]]:
     def build(base: torch.nn.Module, p: Protocol, loaders: dict[str, Any], **_: Any):
-        bnn = bayesify.bayesify(copy.deepcopy(base), name)
-        result = bayesify.fit(bnn, loaders["train"], val_loader=loaders["val"], progress=False)
+        bnn = bayesify.bayesify(copy.deepcopy(base), name, **(options or {}))
+        result = bayesify.fit(bnn, loaders["train"], val_loader=loaders["val"], progress=False,
+                              **(fit_options or {}))
         return bnn.predictor(), {k: v for k, v in result.last.items()
                                  if isinstance(v, (int, float, list, str, dict))}
     return build
@@ -189,6 +194,37 @@ def candidates(args: argparse.Namespace) -> dict[str, tuple[str, Callable[..., A
     for name, build in PEERS.items():
         if not args.methods or name in args.methods:
             out[name] = ("peer", build, PEER_RECIPES[name])
+    for label, family, options, fit_options in parse_variants(args.variant or []):
+        recipe = ", ".join([f"{k}={v!r}" for k, v in options.items()]
+                           + [f"fit {k}={v!r}" for k, v in fit_options.items()])
+        out[f"bayesify:{label}"] = ("bayesify", family_row(family, options, fit_options),
+                                    f"{family}: {recipe} + val_loader")
+    return out
+
+
+def parse_variants(specs: list[list[str]]) -> list[tuple[str, str, dict, dict]]:
+    """``--variant LABEL FAMILY [key=value ...] [fit.key=value ...]`` → (label, family,
+    family options, fit options); values are Python literals (else strings)."""
+    import ast
+
+    out = []
+    for spec in specs:
+        if len(spec) < 2:
+            raise SystemExit(f"--variant needs LABEL FAMILY [key=value ...], got {spec}")
+        label, family, *pairs = spec
+        options: dict[str, Any] = {}
+        fit_options: dict[str, Any] = {}
+        for pair in pairs:
+            key, sep, raw = pair.partition("=")
+            if not sep:
+                raise SystemExit(f"--variant option {pair!r} is not key=value")
+            try:
+                value = ast.literal_eval(raw)
+            except (ValueError, SyntaxError):
+                value = raw
+            target = fit_options if key.startswith("fit.") else options
+            target[key.removeprefix("fit.")] = value
+        out.append((label, family, options, fit_options))
     return out
 
 
@@ -380,6 +416,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="1 seed, shorter peer training")
     parser.add_argument("--methods", nargs="*", default=None,
                         help="restrict to these bayesify families / peers (default: all)")
+    parser.add_argument("--variant", nargs="+", action="append", metavar="ARG",
+                        help="an extra row: LABEL FAMILY [key=value ...] [fit.key=value ...] "
+                        "(family options, fit options; repeatable), e.g. --variant ibnn-g2 "
+                        "ibnn entropy_weight=2")
     parser.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--jobs", type=int, default=1, help="seeds run in parallel processes")

@@ -118,6 +118,28 @@ def test_kl_matches_closed_form_reference():
     assert math.isclose(bnn.kl().item(), total, rel_tol=1e-5)
 
 
+def test_entropy_weight_subtracts_gamma_times_the_entropy_of_the_averaged_component():
+    """Trinh et al. 2022: KL(q̂‖p) − γ·H[q̂], H from torch.distributions (γ = 0: the KL)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2))
+    torch.manual_seed(1)
+    plain = bayesify(net, "ibnn", components=3, init_std=(0.1, 0.05))
+    torch.manual_seed(1)
+    regular = bayesify(net, "ibnn", components=3, init_std=(0.1, 0.05), entropy_weight=2.5)
+    entropy = 0.0
+    for layer in regular.bayesian_layers().values():
+        k = layer.mean.shape[0]
+        std_hat = (layer.std.pow(2).sum(0) / k**2).sqrt()
+        entropy += torch.distributions.Normal(0.0, std_hat.double()).entropy().sum().item()
+    assert math.isclose(regular.kl().item(), plain.kl().item() - 2.5 * entropy, rel_tol=1e-5)
+    # the gradient of −γH pushes every std up
+    regular.kl().backward()
+    plain.kl().backward()
+    for a, b in zip(regular.bayesian_layers().values(), plain.bayesian_layers().values(),
+                    strict=True):
+        assert (a.rho.grad < b.rho.grad).all()
+
+
 def test_gaussian_kl_monte_carlo():
     torch.manual_seed(0)
     mu, var = torch.tensor([1.3]), torch.tensor([0.04])

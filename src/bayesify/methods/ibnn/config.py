@@ -48,6 +48,10 @@ class IBNNConfig(MethodConfig):
         "layers, since L layers' independent perturbations move the function like one of √L "
         "times the size. L = 1 (targets='last_layer') is the paper's recipe; False gives it "
         "per node on any network.")
+    entropy_weight: float = option(
+        0.0, "γ: the training loss is NLL + (KL(q̂‖p) − γ·H[q̂]) / N (the entropy-regularised "
+        "ELBO of Trinh et al., ICML 2022, for covariate shift: a broader q(z) simulates "
+        "more input corruptions in training). 0 is the ELBO.")
     learn_std: bool = option(
         True, "Train the noise stds (what makes the posterior Bayesian); False keeps them at "
         "their init.")
@@ -60,6 +64,8 @@ class IBNNConfig(MethodConfig):
         require(isinstance(self.predict_samples, int) and self.predict_samples > 0,
                 f"predict_samples must be a positive integer, got {self.predict_samples!r}")
         require(self.prior_std > 0, f"prior_std must be > 0, got {self.prior_std}")
+        require(self.entropy_weight >= 0,
+                f"entropy_weight must be >= 0, got {self.entropy_weight}")
         require(self.init_mean_std >= 0, f"init_mean_std must be >= 0, got {self.init_mean_std}")
         require(len(self.init_std) == 2 and self.init_std[0] >= 0 and self.init_std[1] >= 0,
                 f"init_std must be (mean, std) >= 0, got {self.init_std!r}")

@@ -8,6 +8,8 @@ diagonal Gaussians over the input channels. Equivalent to the stochastic weight
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +33,7 @@ class NodeNoiseLayer(BayesianLayer):
         self.axis = channel_axis(base_layer)
         self.prior_mean = config.prior_mean
         self.prior_std = config.prior_std
+        self.entropy_weight = config.entropy_weight
         weight = base_layer.weight
         dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
         factory = {"device": weight.device, "dtype": dtype}
@@ -63,7 +66,8 @@ class NodeNoiseLayer(BayesianLayer):
         return self.base_layer(x * broadcast_rows(z, x, self.axis).to(x.dtype), *args, **kwargs)
 
     def kl(self) -> torch.Tensor:
-        """KL of the averaged component q̂ = N(mean_k μ_k, Σ_k σ_k² / K²) to the prior.
+        """KL of the averaged component q̂ = N(mean_k μ_k, Σ_k σ_k² / K²) to the prior,
+        minus γ·H[q̂] with γ = ``entropy_weight`` (Trinh et al. 2022; 0: the ELBO's KL).
 
         Paper eq. 22–24: the distribution of the average of one sample per
         component; summed over nodes.
@@ -71,7 +75,11 @@ class NodeNoiseLayer(BayesianLayer):
         k = self.mean.shape[0]
         mu_hat = self.mean.float().mean(0)
         var_hat = self.std.float().pow(2).sum(0) / k**2
-        return gaussian_kl(mu_hat, var_hat, self.prior_mean, self.prior_std).sum()
+        kl = gaussian_kl(mu_hat, var_hat, self.prior_mean, self.prior_std).sum()
+        if self.entropy_weight:
+            entropy = 0.5 * (var_hat * (2 * math.pi * math.e)).log().sum()
+            kl = kl - self.entropy_weight * entropy
+        return kl
 
     def extra_repr(self) -> str:
         k, c = self.mean.shape
