@@ -74,13 +74,12 @@ def choose_joint(clean: torch.Tensor, shifted: torch.Tensor | None, reference: t
     validation inputs; ``reference`` ``[n]``: the starting network's clean NLL at its own
     best temperature (start + temperature scaling).
 
-    Feasible: candidates whose clean NLL is within one paired standard error of the
-    reference and at most :data:`CLEAN_TOLERANCE` nats above it,
-    ``mean(c − r) ≤ min(sd(c − r)/sqrt(n), 0.005)`` — the clean validation split cannot tell
-    them from the calibrated start, and what they give up on clean data is bounded in nats
-    whatever the split's noise (with one SE alone, ~200 validation examples let the
-    shifted-NLL choice sit 0.01–0.03 nats above the start; on test every family of the CNN
-    protocol's seed 0 ended 0.007–0.018 above it). Among them the one with the lowest mean shifted NLL
+    Feasible: candidates whose clean cost is at most :data:`CLEAN_TOLERANCE` nats even at
+    one paired standard error above its mean, ``mean(c − r) + sd(c − r)/sqrt(n) ≤ 0.005`` —
+    the split vouches that what they give up on clean data is bounded in nats, however
+    noisy it is. (Before: within one SE *or* 0.005 of the start, ``mean ≤ min(SE, 0.005)``;
+    the shifted-NLL choice then sat at the edge, and on test the ViT protocol's families
+    ended +0.009 to +0.038 above the calibrated start, 3 seeds.) Among them the one with the lowest mean shifted NLL
     (ties, and the case without a shift signal: the broadest value, ``prefer``, at its
     lowest clean NLL). With no feasible candidate: the lowest mean clean NLL.
     """
@@ -88,8 +87,8 @@ def choose_joint(clean: torch.Tensor, shifted: torch.Tensor | None, reference: t
     diff = clean - reference.view(1, 1, -1)
     mean = diff.mean(-1)
     se = diff.std(-1) / math.sqrt(max(n, 1))
-    tolerance = torch.nan_to_num(se, nan=0.0).clamp(max=CLEAN_TOLERANCE)
-    feasible = torch.isfinite(mean) & (mean <= tolerance)
+    feasible = torch.isfinite(mean) & (mean + torch.nan_to_num(se, nan=0.0)
+                                       <= CLEAN_TOLERANCE)
     clean_mean = torch.nan_to_num(clean.mean(-1), nan=math.inf)
     if not torch.isfinite(clean_mean).any():
         raise BayesifyError("every value of the validation grid gave a non-finite NLL")
