@@ -112,7 +112,8 @@ def _brute_force(clean, shifted, reference, grid, prefer):
     for v in range(values):
         for t in range(temps):
             d = clean[v, t] - reference
-            feasible[v, t] = float(d.mean()) + float(d.std() / math.sqrt(n)) <= 0.005
+            se = float(d.std() / math.sqrt(n))
+            feasible[v, t] = float(d.mean()) <= min(se, 0.005 - se)
     pool = [k for k, ok in feasible.items() if ok]
     if not pool:
         flat = int(clean.mean(-1).argmin())
@@ -138,19 +139,31 @@ def test_choose_joint_matches_a_brute_force_of_its_rule(seed):
 
 
 def test_choose_joint_gives_up_at_most_0_005_nats_of_clean_nll():
-    """Feasible: the clean cost is at most 0.005 nats even one paired SE above its mean. A
-    noisy split (SE 0.03) vouches for no candidate that is worse on clean data, however much
-    better it is under shift; a quiet one (SE 0.0005) admits 0.004 worse, never 0.02."""
+    """Feasible: within one paired SE of the start, and at most 0.005 nats of clean cost
+    even one SE above its mean. A noisy split (SE 0.03) vouches for no candidate that is
+    worse on clean data, however much better it is under shift; a quieter one (SE 0.002)
+    admits 0.001 worse, never 0.004 (more than one SE) or 0.02."""
     g = torch.Generator().manual_seed(0)
     n = 200
     reference = torch.rand(n, generator=g, dtype=torch.float64)
     noise = torch.randn(n, generator=g, dtype=torch.float64)
     noise = (noise - noise.mean()) / noise.std() * math.sqrt(n)  # SE exactly 1
-    shifted = torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64).view(3, 1, 1).expand(3, 1, n)
-    for se, chosen in [(0.03, 0), (0.0005, 1)]:
-        clean = torch.stack([reference, reference + 0.004 + se * noise,
-                             reference + 0.02 + se * noise]).unsqueeze(1)  # [V=3, T=1, n]
-        assert choose_joint(clean, shifted, reference, grid=[0, 1, 2]) == (chosen, 0)
+    shifted = torch.tensor([4.0, 3.0, 2.0, 1.0],
+                           dtype=torch.float64).view(4, 1, 1).expand(4, 1, n)
+    for se, chosen in [(0.03, 0), (0.002, 1)]:
+        clean = torch.stack([reference, reference + 0.001 + se * noise,
+                             reference + 0.004 + se * noise,
+                             reference + 0.02 + se * noise]).unsqueeze(1)  # [V=4, T=1, n]
+        assert choose_joint(clean, shifted, reference, grid=[0, 1, 2, 3]) == (chosen, 0)
+
+
+def test_choose_joint_admits_only_the_values_it_is_told():
+    reference = torch.zeros(10, dtype=torch.float64)
+    clean = torch.zeros(3, 1, 10, dtype=torch.float64)
+    shifted = torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64).view(3, 1, 1).expand(3, 1, 10)
+    assert choose_joint(clean, shifted, reference, grid=[0, 1, 2]) == (2, 0)
+    admissible = torch.tensor([True, True, False])
+    assert choose_joint(clean, shifted, reference, grid=[0, 1, 2], admissible=admissible) == (1, 0)
 
 
 def test_choose_joint_falls_back_to_the_lowest_clean_nll_when_nothing_is_feasible():

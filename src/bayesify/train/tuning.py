@@ -62,7 +62,12 @@ from bayesify.core.batch import Batch, BatchFn, call_model
 from bayesify.core.fitting import Knob
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import temper
-from bayesify.core.selection import CLEAN_TOLERANCE, choose_joint, log_grid
+from bayesify.core.selection import (
+    ACCURACY_TOLERANCE,
+    CLEAN_TOLERANCE,
+    choose_joint,
+    log_grid,
+)
 from bayesify.errors import BayesifyError
 from bayesify.kit import laplace_heads
 from bayesify.metrics import per_example_nll
@@ -134,7 +139,7 @@ def _columns(bnn: BayesianModel, start_nll: torch.Tensor | None = None) -> list[
 def _gather(parts: list[torch.Tensor], ctx: DistContext) -> torch.Tensor:
     """``[T, n]`` from this rank's ``[T, b]`` pieces, every rank's shard in rank order."""
     mine = (torch.cat(parts, dim=1) if parts
-            else torch.empty((len(TEMPERATURES), 0), dtype=torch.float64))
+            else torch.empty((len(TEMPERATURES) + 1, 0), dtype=torch.float64))
     full = torch.cat(all_gather_objects(mine, ctx), dim=1)
     if full.shape[1] == 0:
         raise BayesifyError("the validation loader produced no batches")
@@ -143,9 +148,16 @@ def _gather(parts: list[torch.Tensor], ctx: DistContext) -> torch.Tensor:
 
 def _nll_by_temperature(log_probs_at: Callable[[float], torch.Tensor],
                         labels: torch.Tensor) -> torch.Tensor:
-    """``[T, B]`` per-example NLL at every temperature of :data:`TEMPERATURES`."""
+    """``[T + 1, B]``: per-example NLL at every temperature of :data:`TEMPERATURES`, then
+    the per-example error (1 where the argmax is wrong; a temperature does not move it)."""
     rows = [per_example_nll(log_probs_at(t), labels) for t in TEMPERATURES]
+    rows.append((log_probs_at(1.0).argmax(-1) != labels).to(rows[0].dtype))
     return torch.stack(rows).double().cpu()
+
+
+def _split(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., T + 1, n]`` → NLL ``[..., T, n]`` and error ``[..., n]``."""
+    return scores[..., :-1, :], scores[..., -1, :]
 
 
 def interleaved(copies: list[Batch]) -> Batch:
@@ -175,7 +187,8 @@ def candidate_nll(bnn: BayesianModel, batches: Batches, ctx: DistContext,
                   shift: ShiftSignal | None,
                   shift_batches: Batches | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-example NLL ``[T, n]`` on the clean split and ``[T, m]`` on its shifted copies (or
-    the shift loader), of ``bnn``'s default predictor at temperature 1 scaled by every T."""
+    the shift loader), of ``bnn``'s default predictor at temperature 1 scaled by every T,
+    each with the per-example error as a last row (``[T + 1, ·]``, :func:`_split`)."""
     predictor = bnn.predictor(temperature=1.0)
 
     def nll_of(batch: Batch) -> torch.Tensor:
@@ -195,24 +208,26 @@ def candidate_nll(bnn: BayesianModel, batches: Batches, ctx: DistContext,
 
 @torch.no_grad()
 def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
-                   signal: bool) -> tuple[torch.Tensor, int, list[int], ShiftSignal | None]:
+                   signal: bool) -> tuple[torch.Tensor, int, list[int], torch.Tensor,
+                                          ShiftSignal | None]:
     """The starting network's per-example clean NLL at its best temperature ``[n]`` (of the
     range :func:`temperature_floor` allows ``bnn``), that temperature's index, the indices
-    of the temperatures the search may give ``bnn`` and the shift signal calibrated on the
-    start (``signal``)."""
+    of the temperatures the search may give ``bnn``, the start's per-example error ``[n]``
+    and the shift signal calibrated on the start (``signal``)."""
     base = bnn.unwrap().eval()
 
     def logits(batch: Batch) -> torch.Tensor:
         return logits_of(call_model(base, batch.model_input())).float()
 
-    per_t = _gather([_base_nll(logits(batch), batch) for batch in batches()], ctx)
+    per_t, errors = _split(_gather([_base_nll(logits(batch), batch) for batch in batches()],
+                                   ctx))
     columns = _columns(bnn, per_t)
     best = columns[int(per_t[columns].mean(1).argmin())]
     shift = None
     if signal:
         local = calibrate_shift(logits, batches) if ctx.is_main or not ctx.distributed else None
         shift = broadcast_object(local, ctx) if ctx.distributed else local
-    return per_t[best], best, columns, shift
+    return per_t[best], best, columns, errors, shift
 
 
 def _base_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -232,8 +247,8 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     was_training = bnn.training
     bnn.eval()
     try:
-        reference, start_t, allowed, shift = starting_point(bnn, batches, ctx,
-                                                            signal=shift_batches is None)
+        reference, start_t, allowed, start_errors, shift = starting_point(
+            bnn, batches, ctx, signal=shift_batches is None)
         record.update({"start_tempered_val_nll": float(reference.mean()),
                        "start_temperature": TEMPERATURES[start_t],
                        "temperature_floor": TEMPERATURES[allowed[0]],
@@ -245,14 +260,20 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                            total=sum(len(k.grid) if k is not None else 1 for k in plan))
         for knob in plan:
             values = [float(v) for v in knob.grid] if knob is not None else [math.nan]
-            clean, shifted = [], []
+            clean, shifted, errors = [], [], []
             for value in values:
                 if knob is not None:
                     knob.set(value)
                 c, s = candidate_nll(bnn, batches, ctx, shift, shift_batches)
+                c, e = _split(c)
                 clean.append(c)
-                shifted.append(s)
+                errors.append(e)
+                shifted.append(None if s is None else _split(s)[0])
                 bar.update(1)
+            # a value that loses more than ACCURACY_TOLERANCE of clean validation accuracy
+            # against the start is never feasible (a temperature does not move the argmax)
+            admissible = (torch.stack(errors).mean(-1)
+                          <= start_errors.mean() + ACCURACY_TOLERANCE + 1e-12)
             # the temperatures considered: from the floor up (temperature_floor); only 1
             # without the temperature search
             columns = allowed if temperature else [TEMPERATURES.index(1.0)]
@@ -264,7 +285,8 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             else:
                 v, t = choose_joint(clean_t, shifted_t, reference,
                                     prefer=knob.prefer if knob is not None else "largest",
-                                    grid=values if knob is not None else None)
+                                    grid=values if knob is not None else None,
+                                    admissible=admissible)
             chosen_t = TEMPERATURES[columns[t]]
             if knob is not None:
                 knob.set(values[v])
