@@ -257,6 +257,12 @@ def test_only_families_whose_spread_grows_off_the_data_are_sharpened(trained):
         per_t = (0.3 + gain * curve).view(-1, 1).expand(-1, 50)
         assert temperature_floor(ibnn, per_t) == pytest.approx(floor)
         assert temperature_floor(laplace, per_t) == pytest.approx(0.05)
+    # a gain of 0.01 nats at one paired SE of 0.005: not evidence of under-confidence
+    noise = torch.randn(400, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    noise = (noise - noise.mean()) / noise.std() * 0.005 * math.sqrt(400)
+    per_t = 0.3 + (0.01 / float(curve[TEMPERATURES.index(1.0)])) * curve.view(-1, 1) \
+        * (1 + noise / 0.01).view(1, -1)
+    assert temperature_floor(ibnn, per_t) == 1.0
 
 
 def test_an_under_confident_start_lets_every_family_sharpen_to_its_temperature(trained):
