@@ -8,8 +8,10 @@ every candidate twice:
 
 * **clean**: the per-example NLL on the validation split; a candidate is *feasible* when the
   split cannot tell it from the starting network at its own best temperature (within one
-  paired standard error of start + temperature scaling, and at most 0.005 nats above it:
-  :data:`bayesify.core.selection.CLEAN_TOLERANCE`);
+  paired standard error of start + temperature scaling) and vouches that it gives up at most
+  0.005 nats (:data:`bayesify.core.selection.CLEAN_TOLERANCE`, one SE above its mean), and
+  its clean validation accuracy is at most one point below the start's
+  (:data:`~bayesify.core.selection.ACCURACY_TOLERANCE`);
 * **shifted**: the per-example NLL on shifted copies of the same inputs — the user's
   ``shift_loader`` when given, else the library's perturbations
   (:mod:`bayesify.train.shift`: noise, masking and mixing at the strength that halves the
