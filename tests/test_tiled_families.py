@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,7 +67,10 @@ def test_rank1_kl_closed_form_and_sampling() -> None:
     total = 0.0
     for layer in bnn.bayesian_layers().values():
         for mean, rho in ((layer.r, layer.r_rho), (layer.s, layer.s_rho)):
-            total += gaussian_kl(mean, F.softplus(rho) ** 2, 1.0, 0.1).sum()
+            # per_network (default): the prior std 0.1 is the network's, 0.1/√(2L) per factor
+            total += gaussian_kl(mean, F.softplus(rho) ** 2, 1.0, layer.prior_std).sum()
+            assert layer.prior_std == pytest.approx(0.1 / math.sqrt(2 * len(
+                bnn.bayesian_layers())))
     # mean over the K = 2 members: the NLL is the mean over the K-tiled batch (issue 13)
     torch.testing.assert_close(bnn.kl(), total / 2)
     # KL averaged over members: identical members give the KL of one, whatever K
@@ -78,6 +83,26 @@ def test_rank1_kl_closed_form_and_sampling() -> None:
     torch.testing.assert_close(r.std(0), F.softplus(layer.r_rho[0]), rtol=0.05, atol=0)
     torch.testing.assert_close(r.mean(0), layer.r[0], rtol=0, atol=3e-3)
     assert bayesify(_net(), "batchensemble").kl().item() == 0.0
+
+
+@pytest.mark.parametrize("method", ["rank1", "batchensemble"])
+def test_rank_one_spread_is_per_network(method: str) -> None:
+    """per_network: the factors' offsets from 1 (and rank1's stds and prior) are the whole
+    network's, ÷√(2L); per layer (False) they are the configured values."""
+    torch.manual_seed(0)
+    per_layer = bayesify(_net(), method, components=64, per_network=False)
+    torch.manual_seed(0)
+    network = bayesify(_net(), method, components=64)
+    layers = len(network.bayesian_layers())
+    assert layers > 1
+    shrink = 1 / math.sqrt(2 * layers)
+    for a, b in zip(per_layer.bayesian_layers().values(), network.bayesian_layers().values(),
+                    strict=True):
+        torch.testing.assert_close(b.r - 1, (a.r - 1) * shrink)
+        torch.testing.assert_close(b.s - 1, (a.s - 1) * shrink)
+        if method == "rank1":
+            torch.testing.assert_close(F.softplus(b.r_rho), F.softplus(a.r_rho) * shrink)
+            assert b.prior_std == pytest.approx(a.prior_std * shrink)
 
 
 @pytest.mark.parametrize("method", ["rank1", "batchensemble", "ensemble"])

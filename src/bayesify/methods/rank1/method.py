@@ -10,7 +10,7 @@ from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Step
 from bayesify.core.method import wrapper_table
 from bayesify.kit.knobs import SpreadKnob
-from bayesify.kit.rank_one import RankOneLayer
+from bayesify.kit.rank_one import RankOneLayer, spread_per_network
 from bayesify.kit.steps import ElboStep, Tiled
 from bayesify.kit.tiled import TiledMethod
 from bayesify.methods.rank1.config import Rank1Config
@@ -43,6 +43,15 @@ class Rank1Method(SpreadKnob, TiledMethod):
     knob = KNOB
     knob_meaning = "multiplier of the posterior std of r, s; 0 = member means"
     wrappers: ClassVar = wrapper_table(Rank1Layer)
+
+    def build(self, model: nn.Module, targets: list[str],
+              context: SamplingContext) -> dict[str, nn.Module]:
+        """The rank-one wrappers, their spreads per network with ``per_network``
+        (:func:`~bayesify.kit.rank_one.spread_per_network`)."""
+        layers = super().build(model, targets, context)
+        if self.config.per_network:
+            spread_per_network(layers, init=self.config.init)
+        return layers
 
     def step(self) -> Step:
         # lr: r, s and ρ are O(1) multipliers; each member's factors
