@@ -172,3 +172,26 @@ def test_choose_joint_falls_back_to_the_lowest_clean_nll_when_nothing_is_feasibl
                                                                        [0.3, 0.4]]).unsqueeze(-1)
     shifted = torch.zeros(3, 2, 10, dtype=torch.float64)
     assert choose_joint(clean, shifted, reference, grid=[0, 1, 2]) == (1, 0)
+
+
+def test_a_sharpening_family_sharpens_only_the_values_that_need_it():
+    """Laplace may go below the network's own floor only for knob values no temperature at
+    or above it makes feasible (a broad posterior brought back to the start's clean NLL);
+    a value feasible unsharpened keeps T ≥ floor."""
+    from bayesify.train.tuning import _sharpen_only_if_needed
+
+    n = 50
+    reference = torch.full((n,), 0.2, dtype=torch.float64)
+    # two values × temperatures [0.1, 0.5, 1.0]; the floor is 1 (0.1 and 0.5 below it)
+    clean = torch.tensor([[0.25, 0.2, 0.2],     # narrow: feasible at T = 1 already
+                          [0.2, 0.3, 0.6]],     # broad: feasible only sharpened
+                         dtype=torch.float64).unsqueeze(-1).expand(2, 3, n)
+    admissible = torch.ones(2, 3, dtype=torch.bool)
+    got = _sharpen_only_if_needed(clean, reference, admissible, [True, True, False])
+    assert got.tolist() == [[False, False, True], [True, True, True]]
+    shifted = torch.tensor([[1.0, 1.0, 3.0], [2.0, 2.5, 2.5]],
+                           dtype=torch.float64).unsqueeze(-1).expand(2, 3, n)
+    # without the rule the narrow value's sharpened column (shift 1.0) would win
+    assert choose_joint(clean, shifted, reference, grid=[10.0, 0.1], prefer="smallest") == (0, 1)
+    assert choose_joint(clean, shifted, reference, grid=[10.0, 0.1], prefer="smallest",
+                        admissible=got) == (1, 0)

@@ -67,6 +67,15 @@ CLEAN_TOLERANCE = 0.005
 ACCURACY_TOLERANCE = 0.01
 
 
+def feasible(clean: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``[V, T]`` bool: the clean rule of :func:`choose_joint` for ``clean [V, T, n]``."""
+    n = clean.shape[-1]
+    diff = clean - reference.view(1, 1, -1)
+    mean = diff.mean(-1)
+    se = torch.nan_to_num(diff.std(-1) / math.sqrt(max(n, 1)), nan=0.0)
+    return torch.isfinite(mean) & (mean <= torch.minimum(se, CLEAN_TOLERANCE - se))
+
+
 def choose_joint(clean: torch.Tensor, shifted: torch.Tensor | None, reference: torch.Tensor, *,
                  prefer: str = "largest", grid: list[float] | None = None,
                  admissible: torch.Tensor | None = None) -> tuple[int, int]:
@@ -87,21 +96,18 @@ def choose_joint(clean: torch.Tensor, shifted: torch.Tensor | None, reference: t
     calibrated start, 3 seeds.) Among them the one with the lowest mean shifted NLL
     (ties, and the case without a shift signal: the broadest value, ``prefer``, at its
     lowest clean NLL). With no feasible candidate: the lowest mean clean NLL.
-    ``admissible`` ``[V]`` (bool): only these values can be feasible (the caller's accuracy
-    rule: at most :data:`ACCURACY_TOLERANCE` of clean validation accuracy lost).
+    ``admissible`` ``[V]`` or ``[V, T]`` (bool): only these can be feasible (the caller's
+    rules: at most :data:`ACCURACY_TOLERANCE` of clean validation accuracy lost; a
+    sharpening only where a value needs it).
     """
-    values, temps, n = clean.shape
-    diff = clean - reference.view(1, 1, -1)
-    mean = diff.mean(-1)
-    se = diff.std(-1) / math.sqrt(max(n, 1))
-    se = torch.nan_to_num(se, nan=0.0)
-    feasible = torch.isfinite(mean) & (mean <= torch.minimum(se, CLEAN_TOLERANCE - se))
+    values, temps = clean.shape[:2]
+    ok = feasible(clean, reference)
     if admissible is not None:
-        feasible &= admissible.to(feasible.device).view(-1, 1)
+        ok &= admissible.to(ok.device).view(values, -1).expand(values, temps)
     clean_mean = torch.nan_to_num(clean.mean(-1), nan=math.inf)
     if not torch.isfinite(clean_mean).any():
         raise BayesifyError("every value of the validation grid gave a non-finite NLL")
-    if not feasible.any():
+    if not ok.any():
         flat = int(clean_mean.argmin())
         return flat // temps, flat % temps
     order = list(range(values))
@@ -109,10 +115,10 @@ def choose_joint(clean: torch.Tensor, shifted: torch.Tensor | None, reference: t
         order.sort(key=lambda i: grid[i], reverse=(prefer == "largest"))
     if shifted is None:
         for v in order:
-            if feasible[v].any():
-                t = int(torch.where(feasible[v], clean_mean[v], math.inf).argmin())
+            if ok[v].any():
+                t = int(torch.where(ok[v], clean_mean[v], math.inf).argmin())
                 return v, t
-    score = torch.where(feasible, torch.nan_to_num(shifted.mean(-1), nan=math.inf), math.inf)
+    score = torch.where(ok, torch.nan_to_num(shifted.mean(-1), nan=math.inf), math.inf)
     best = float(score.min())
     for v in order:  # the broadest value reaching the best shifted NLL (up to rounding)
         row = score[v]

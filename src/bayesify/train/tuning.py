@@ -69,6 +69,7 @@ from bayesify.core.selection import (
     ACCURACY_TOLERANCE,
     CLEAN_TOLERANCE,
     choose_joint,
+    feasible,
     log_grid,
 )
 from bayesify.errors import BayesifyError
@@ -105,7 +106,10 @@ TEMPERATURES: tuple[float, ...] = tuple(sorted({*log_grid((0.05, 1.0, 18)),
 
 
 def sharpening_allowed(bnn: BayesianModel) -> bool:
-    """Whether the search may choose T < 1 for ``bnn``'s family (``sharpens_predictive``)."""
+    """Whether the search may choose T < 1 for ``bnn``'s family (``sharpens_predictive``,
+    unless its config's ``sharpen`` option is False)."""
+    if not getattr(bnn.method.config, "sharpen", True):
+        return False
     return bool(getattr(type(bnn.method), "sharpens_predictive", False))
 
 
@@ -117,19 +121,12 @@ def sharpening_allowed(bnn: BayesianModel) -> bool:
 UNDER_CONFIDENT_SE = 3.0
 
 
-def temperature_floor(bnn: BayesianModel, start_nll: torch.Tensor | None = None) -> float:
-    """The lowest temperature the search may give ``bnn``'s predictive.
-
-    Families that sharpen (``sharpens_predictive``): the grid's lowest. The others: the
-    starting network's best temperature when the start is clearly under-confident —
-    sharpening it lowers its mean clean validation NLL against its best T ≥ 1 by more than
-    :data:`~bayesify.core.selection.CLEAN_TOLERANCE` and by more than
-    :data:`UNDER_CONFIDENT_SE` paired standard errors — else 1. A posterior may correct its
-    network's under-confidence, never buy back its own breadth.
-    ``start_nll``: the start's ``[T, n]`` per-example NLL at every temperature (None: 1).
-    """
-    if sharpening_allowed(bnn):
-        return TEMPERATURES[0]
+def network_floor(start_nll: torch.Tensor | None) -> float:
+    """The starting network's own lowest temperature: its best temperature when it is
+    clearly under-confident — sharpening it lowers its mean clean validation NLL against its
+    best T ≥ 1 by more than :data:`~bayesify.core.selection.CLEAN_TOLERANCE` and by more
+    than :data:`UNDER_CONFIDENT_SE` paired standard errors — else 1. ``start_nll``: the
+    start's ``[T, n]`` per-example NLL at every temperature (None: 1)."""
     if start_nll is None:
         return 1.0
     means = start_nll.mean(-1)
@@ -140,6 +137,16 @@ def temperature_floor(bnn: BayesianModel, start_nll: torch.Tensor | None = None)
     if float(gain.mean()) > max(CLEAN_TOLERANCE, UNDER_CONFIDENT_SE * se):
         return min(1.0, TEMPERATURES[best])
     return 1.0
+
+
+def temperature_floor(bnn: BayesianModel, start_nll: torch.Tensor | None = None) -> float:
+    """The lowest temperature the search may give ``bnn``'s predictive: the grid's lowest
+    for families that sharpen (``sharpens_predictive``; below :func:`network_floor` only for
+    knob values that need it, see :func:`search_knobs`), else :func:`network_floor` — a
+    posterior may correct its network's under-confidence, never buy back its own breadth."""
+    if sharpening_allowed(bnn):
+        return TEMPERATURES[0]
+    return network_floor(start_nll)
 
 
 def _columns(bnn: BayesianModel, start_nll: torch.Tensor | None = None) -> list[int]:
@@ -222,11 +229,11 @@ def candidate_nll(bnn: BayesianModel, batches: Batches, ctx: DistContext,
 @torch.no_grad()
 def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
                    signal: bool) -> tuple[torch.Tensor, int, list[int], torch.Tensor,
-                                          ShiftSignal | None]:
+                                          float, ShiftSignal | None]:
     """The starting network's per-example clean NLL at its best temperature ``[n]`` (of the
     range :func:`temperature_floor` allows ``bnn``), that temperature's index, the indices
-    of the temperatures the search may give ``bnn``, the start's per-example error ``[n]``
-    and the shift signal calibrated on the start (``signal``)."""
+    of the temperatures the search may give ``bnn``, the start's per-example error ``[n]``,
+    its :func:`network_floor` and the shift signal calibrated on the start (``signal``)."""
     base = bnn.unwrap().eval()
 
     def logits(batch: Batch) -> torch.Tensor:
@@ -240,7 +247,7 @@ def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
     if signal:
         local = calibrate_shift(logits, batches) if ctx.is_main or not ctx.distributed else None
         shift = broadcast_object(local, ctx) if ctx.distributed else local
-    return per_t[best], best, columns, errors, shift
+    return per_t[best], best, columns, errors, network_floor(per_t), shift
 
 
 def _base_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -260,7 +267,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     was_training = bnn.training
     bnn.eval()
     try:
-        reference, start_t, allowed, start_errors, shift = starting_point(
+        reference, start_t, allowed, start_errors, floor, shift = starting_point(
             bnn, batches, ctx, signal=shift_batches is None)
         record.update({"start_tempered_val_nll": float(reference.mean()),
                        "start_temperature": TEMPERATURES[start_t],
@@ -292,6 +299,10 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             columns = allowed if temperature else [TEMPERATURES.index(1.0)]
             clean_t = torch.stack(clean)[:, columns]
             shifted_t = None if shifted[0] is None else torch.stack(shifted)[:, columns]
+            admissible = admissible.view(-1, 1).expand(len(values), len(columns))
+            if sharpening_allowed(bnn):
+                admissible = _sharpen_only_if_needed(clean_t, reference, admissible,
+                                                     [TEMPERATURES[c] < floor for c in columns])
             if knob is not None and knob.rule == "min":  # the lowest clean NLL, nothing else
                 flat = int(clean_t.mean(-1).argmin())
                 v, t = flat // clean_t.shape[1], flat % clean_t.shape[1]
@@ -325,6 +336,22 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     finally:
         bnn.train(was_training)
     return record
+
+
+def _sharpen_only_if_needed(clean: torch.Tensor, reference: torch.Tensor,
+                            admissible: torch.Tensor, below: list[bool]) -> torch.Tensor:
+    """``[V, T]``: a temperature below the network's own floor (:func:`network_floor`) only
+    for knob values that no temperature at or above it makes feasible — sharpening brings a
+    *broad* posterior back to the start's clean NLL; a value already feasible unsharpened
+    would only be temperature-scaled like the network (on the CNN quality protocol's seed 2
+    Laplace sharpened its narrowest τ to T = 0.7 and ended at 1.28× the start's shift NLL,
+    3.12 against 2.43 unsharpened)."""
+    below_t = torch.tensor(below, dtype=torch.bool)
+    if not below_t.any():
+        return admissible
+    ok = feasible(clean, reference) & admissible
+    settled = ok[:, ~below_t].any(1)  # values feasible at T ≥ floor
+    return admissible & ~(below_t.view(1, -1) & settled.view(-1, 1))
 
 
 def _curves(knob: Knob, values: list[float], v: int, t: int, clean: torch.Tensor,

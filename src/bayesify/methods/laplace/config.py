@@ -50,6 +50,11 @@ class LaplaceConfig(MethodConfig):
         "from the calibrated starting network; see bayesify.train.tuning) or 'min' (the "
         "lowest clean validation NLL)."
     )
+    sharpen: bool = option(
+        True, "Let the validation search sharpen the predictive (T from 0.05): the GLM's "
+        "epistemic variance grows off the data, so a broad posterior sharpened back to the "
+        "start's clean NLL stays broad there. False: T from 1, or from the start's own best "
+        "T when the network is clearly under-confident, like every other family.")
     link: str = option(
         "probit", "Predictive link of the linearised (GLM) predictive: 'probit' "
         "(softmax(f/sqrt(1+π/8·diag Σ_f))), 'bridge' (Laplace bridge) or 'mc' (samples)."
