@@ -321,7 +321,21 @@ def fit(
             best.finish(state.history[-1], method.name, refused=tuple(step.refused))
             if state.history[-1].get("kept", "last") != "last":  # only with a val_loader
                 _retune_kept(state, method, start, validate)
+            best.retry_start(state.history[-1], functools.partial(_search_and_validate, state,
+                                                                  method, validate))
+            if state.history[-1].get("kept") == "start":
+                state.history[-1]["worse_than_start"] = bool(clearly_worse(
+                    start, {"val_nll": state.history[-1]["kept_val_nll"],
+                            "val_accuracy": state.history[-1]["kept_val_accuracy"]}))
         return result
+
+
+def _search_and_validate(state: TrainContext, method: Any,
+                         validate: Callable[..., dict[str, Any]]) -> tuple[dict, dict]:
+    """The knob search on the model's current state, then its validation metrics."""
+    search = state.tune(method.knobs(state.bnn) + laplace_heads.heads_knob(state.bnn))
+    metrics = validate(desc="validate the searched state")
+    return search, {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}
 
 
 def _retune_kept(state: TrainContext, method: Any, start: dict[str, float],
