@@ -121,7 +121,7 @@ def _brute_force(clean, shifted, reference, grid, prefer):
     best = min(float(shifted[v, t].mean()) for v, t in pool)
     ties = [(v, t) for v, t in pool if float(shifted[v, t].mean()) <= best + 1e-9]
     v = (max if prefer == "largest" else min)(ties, key=lambda k: grid[k[0]])[0]
-    t = min((k for k in pool if k[0] == v), key=lambda k: float(clean[k].mean()))[1]
+    t = min((k for k in ties if k[0] == v), key=lambda k: float(shifted[k].mean()))[1]
     return v, t
 
 

@@ -93,13 +93,9 @@ def choose_joint(clean: torch.Tensor, shifted: torch.Tensor | None, reference: t
     vouches that what they give up on clean data is bounded in nats, however noisy it is.
     (Before: ``mean ≤ min(SE, 0.005)``; on a noisy split the shifted-NLL choice then sat at
     the edge, and on test the ViT protocol's families ended +0.009 to +0.038 above the
-    calibrated start, 3 seeds.) The knob value: the one whose feasible candidates reach
-    the lowest mean shifted NLL (ties, and the case without a shift signal: the broadest
-    value, ``prefer``); its temperature: its feasible one of lowest clean NLL — the shifted
-    signal chooses how broad, the clean split the temperature, as temperature scaling does
-    (choosing T by the shifted NLL too put it at the soft edge of the tolerance, and on test
-    half the ViT protocol's families ended 0.005–0.007 above the calibrated start on one
-    seed). With no feasible candidate: the lowest mean clean NLL.
+    calibrated start, 3 seeds.) Among them the one with the lowest mean shifted NLL
+    (ties, and the case without a shift signal: the broadest value, ``prefer``, at its
+    lowest clean NLL). With no feasible candidate: the lowest mean clean NLL.
     ``admissible`` ``[V]`` or ``[V, T]`` (bool): only these can be feasible (the caller's
     rules: at most :data:`ACCURACY_TOLERANCE` of clean validation accuracy lost; a
     sharpening only where a value needs it).
@@ -124,7 +120,9 @@ def choose_joint(clean: torch.Tensor, shifted: torch.Tensor | None, reference: t
                 return v, t
     score = torch.where(ok, torch.nan_to_num(shifted.mean(-1), nan=math.inf), math.inf)
     best = float(score.min())
-    chosen = next((v for v in order if float(score[v].min()) <= best + 1e-9),
-                  int(score.min(1).values.argmin()))
-    # the value's temperature: its lowest clean NLL among its feasible ones
-    return chosen, int(torch.where(ok[chosen], clean_mean[chosen], math.inf).argmin())
+    for v in order:  # the broadest value reaching the best shifted NLL (up to rounding)
+        row = score[v]
+        if float(row.min()) <= best + 1e-9:
+            return v, int(row.argmin())
+    flat = int(score.argmin())
+    return flat // temps, flat % temps
