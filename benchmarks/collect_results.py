@@ -68,6 +68,12 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "--threads 1 --save-seeds (three row sets, joined with --merge); python "
              "benchmarks/per_seed.py; python benchmarks/temperature29.py --protocol digits-vit "
              "--seeds 0 1 2 --ensemble; the text is written by hand"),
+        Part("search_rules.md", "The validation search's rules: every family before/after on "
+             "both protocols, Laplace's sharpening and curvature, rank-one spreads per network, "
+             "iBNN's entropy-weighted ELBO, the stress matrix on this stop's code",
+             "python benchmarks/quality.py [--protocol digits-vit] --seeds 0 1 2 --save-seeds "
+             "[--variant ...]; python benchmarks/per_seed.py; BAYESIFY_STRESS_TABLE=cells.jsonl "
+             "pytest -m slow tests/test_stress_pretrained.py; the text is written by hand"),
         Part("stress30.md", "Stress matrix: every family's defaults on trap networks (issue 30)",
              "BAYESIFY_STRESS_TABLE=cells.jsonl pytest -m slow tests/test_stress_pretrained.py"),
         Part("issue7.md", "Temperature scaling, every family",
