@@ -29,6 +29,7 @@ from bayesify.core.layers import (
 from bayesify.errors import BayesifyError
 from bayesify.kit.gaussian import gaussian_kl, inverse_softplus
 from bayesify.kit.knobs import knob_value
+from bayesify.kit.tiled import TiledMethod
 
 INIT_CHOICES = ("random_sign", "normal", "ones")
 
@@ -192,3 +193,15 @@ def spread_per_network(layers: dict[str, nn.Module], *, init: str) -> float:
                     rho.copy_(inverse_softplus(F.softplus(rho) * shrink, floor=1e-8))
                 layer.prior_std = layer.prior_std * shrink
     return shrink
+
+
+class RankOneTiledMethod(TiledMethod):
+    """A batch-tiled family of rank-one layers (rank1, batchensemble) whose spreads are the
+    network's with ``config.per_network`` (:func:`spread_per_network`)."""
+
+    def build(self, model: nn.Module, targets: list[str],
+              context: SamplingContext) -> dict[str, nn.Module]:
+        layers = super().build(model, targets, context)
+        if self.config.per_network:
+            spread_per_network(layers, init=self.config.init)
+        return layers

@@ -10,9 +10,8 @@ from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Step
 from bayesify.core.method import wrapper_table
 from bayesify.kit.knobs import MemberTemperature
-from bayesify.kit.rank_one import RankOneLayer, spread_per_network
+from bayesify.kit.rank_one import RankOneLayer, RankOneTiledMethod
 from bayesify.kit.steps import ElboStep, Tiled
-from bayesify.kit.tiled import TiledMethod
 from bayesify.methods.batchensemble.config import BatchEnsembleConfig
 
 if TYPE_CHECKING:
@@ -31,7 +30,7 @@ class BatchEnsembleLayer(RankOneLayer):
         )
 
 
-class BatchEnsembleMethod(MemberTemperature, TiledMethod):
+class BatchEnsembleMethod(MemberTemperature, RankOneTiledMethod):
     """K deterministic members sharing the base weights; one tiled forward per batch.
 
     Knob: ``member_temperature``, a temperature of every member's logits chosen on
@@ -41,15 +40,6 @@ class BatchEnsembleMethod(MemberTemperature, TiledMethod):
     name = "batchensemble"
     config_cls = BatchEnsembleConfig
     wrappers: ClassVar = wrapper_table(BatchEnsembleLayer)
-
-    def build(self, model: nn.Module, targets: list[str],
-              context: SamplingContext) -> dict[str, nn.Module]:
-        """The rank-one wrappers, their spreads per network with ``per_network``
-        (:func:`~bayesify.kit.rank_one.spread_per_network`)."""
-        layers = super().build(model, targets, context)
-        if self.config.per_network:
-            spread_per_network(layers, init=self.config.init)
-        return layers
 
     def step(self) -> Step:
         # lr: r, s are O(1) multipliers; the mean loss over K tiled

@@ -10,9 +10,8 @@ from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Step
 from bayesify.core.method import wrapper_table
 from bayesify.kit.knobs import SpreadKnob
-from bayesify.kit.rank_one import RankOneLayer, spread_per_network
+from bayesify.kit.rank_one import RankOneLayer, RankOneTiledMethod
 from bayesify.kit.steps import ElboStep, Tiled
-from bayesify.kit.tiled import TiledMethod
 from bayesify.methods.rank1.config import Rank1Config
 
 KNOB = "rank1_noise_scale"
@@ -30,7 +29,7 @@ class Rank1Layer(RankOneLayer):
         )
 
 
-class Rank1Method(SpreadKnob, TiledMethod):
+class Rank1Method(SpreadKnob, RankOneTiledMethod):
     """K members, each the base net with rank-1 Gaussian multiplicative factors.
 
     Loss: mean NLL over the K-tiled batch + β·mean_k KL_k / N_train (the trainer
@@ -43,15 +42,6 @@ class Rank1Method(SpreadKnob, TiledMethod):
     knob = KNOB
     knob_meaning = "multiplier of the posterior std of r, s; 0 = member means"
     wrappers: ClassVar = wrapper_table(Rank1Layer)
-
-    def build(self, model: nn.Module, targets: list[str],
-              context: SamplingContext) -> dict[str, nn.Module]:
-        """The rank-one wrappers, their spreads per network with ``per_network``
-        (:func:`~bayesify.kit.rank_one.spread_per_network`)."""
-        layers = super().build(model, targets, context)
-        if self.config.per_network:
-            spread_per_network(layers, init=self.config.init)
-        return layers
 
     def step(self) -> Step:
         # lr: r, s and ρ are O(1) multipliers; each member's factors
