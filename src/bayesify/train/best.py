@@ -97,6 +97,17 @@ def infeasible(record: dict[str, Any]) -> list[str]:
     return []
 
 
+def adopt_search(record: dict[str, Any], search: dict[str, Any],
+                 metrics: dict[str, float]) -> None:
+    """Write a kept state's search (its knobs and T; the record's ``val_*`` stay the last
+    state's) and its validation ``metrics`` into the last history ``record``."""
+    record.update({k: v for k, v in search.items() if not k.startswith(("val_", "start_"))})
+    if "val_shift_nll" in search:
+        record["kept_val_shift_nll"] = search["val_shift_nll"]
+    record.update({"kept_val_nll": metrics["val_nll"],
+                   "kept_val_accuracy": metrics["val_accuracy"]})
+
+
 def _snapshot(bnn: BayesianModel) -> dict[str, torch.Tensor]:
     """Copies of every tensor a fit can change (trainable parameters and all buffers)."""
     frozen = {name for name, p in bnn.named_parameters() if not p.requires_grad}
@@ -206,10 +217,8 @@ class BestState:
         bnn.load_state_dict(tensors, strict=False)
         search, metrics = retune()
         if metrics["val_nll"] < record["kept_val_nll"]:
-            record.update({k: v for k, v in search.items()
-                           if not k.startswith(("val_", "start_"))})
-            record.update({"kept": "start", "kept_val_nll": metrics["val_nll"],
-                           "kept_val_accuracy": metrics["val_accuracy"]})
+            adopt_search(record, search, metrics)
+            record["kept"] = "start"
             if self.state.ctx.is_main:
                 logger.info("fit: the kept state stayed above the calibrated start after its "
                             "search; the searched starting state is better (validation NLL "

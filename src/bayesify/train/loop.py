@@ -45,7 +45,7 @@ from bayesify.kit import laplace_heads
 from bayesify.progress import progress_bar
 from bayesify.train import evaluate as evaluation
 from bayesify.train import resume as ckpt
-from bayesify.train.best import BestState, clearly_worse
+from bayesify.train.best import BestState, adopt_search, clearly_worse
 from bayesify.train.budget import (  # noqa: F401 - re-exported
     DEFAULT_FORWARDS,
     DEFAULT_MIN_STEPS,
@@ -319,14 +319,18 @@ def fit(
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
             # never worse than the start
             best.finish(state.history[-1], method.name, refused=tuple(step.refused))
-            if state.history[-1].get("kept", "last") != "last":  # only with a val_loader
-                _retune_kept(state, method, start, validate)
-            best.retry_start(state.history[-1], functools.partial(_search_and_validate, state,
-                                                                  method, validate))
-            if state.history[-1].get("kept") == "start":
-                state.history[-1]["worse_than_start"] = bool(clearly_worse(
-                    start, {"val_nll": state.history[-1]["kept_val_nll"],
-                            "val_accuracy": state.history[-1]["kept_val_accuracy"]}))
+            record = state.history[-1]
+            search = functools.partial(_search_and_validate, state, method, validate)
+            if record.get("kept", "last") != "last":  # only with a val_loader
+                # the search's knobs and T belong to the state they were searched on: a kept
+                # earlier state (or the start: every knob neutral, T = 1) is searched again
+                adopt_search(record, *search())
+            best.retry_start(record, search)
+            if "kept_val_nll" in record:
+                record["worse_than_start"] = bool(clearly_worse(
+                    start, {"val_nll": record["kept_val_nll"],
+                            "val_accuracy": record["kept_val_accuracy"]}))
+            bnn.eval()
         return result
 
 
@@ -334,27 +338,8 @@ def _search_and_validate(state: TrainContext, method: Any,
                          validate: Callable[..., dict[str, Any]]) -> tuple[dict, dict]:
     """The knob search on the model's current state, then its validation metrics."""
     search = state.tune(method.knobs(state.bnn) + laplace_heads.heads_knob(state.bnn))
-    metrics = validate(desc="validate the searched state")
-    return search, {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}
-
-
-def _retune_kept(state: TrainContext, method: Any, start: dict[str, float],
-                 validate: Callable[..., dict[str, Any]]) -> None:
-    """The search's knobs and temperature belong to the state they were searched on: a
-    state kept instead of the last (an earlier epoch, the start) carries the values of
-    its own time (the start's: every knob neutral, T = 1), so the search runs again on it
-    and the record says what it now predicts."""
-    bnn, record = state.bnn, state.history[-1]
-    search = state.tune(method.knobs(bnn) + laplace_heads.heads_knob(bnn))
-    # the knobs and T chosen for the kept state; the record's val_* stay the last state's
-    record.update({k: v for k, v in search.items() if not k.startswith(("val_", "start_"))})
-    if "val_shift_nll" in search:
-        record["kept_val_shift_nll"] = search["val_shift_nll"]
     metrics = validate(desc="validate the kept state")
-    kept = {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}
-    record.update({"kept_val_nll": kept["val_nll"], "kept_val_accuracy": kept["val_accuracy"],
-                   "worse_than_start": bool(clearly_worse(start, kept))})
-    bnn.eval()
+    return search, {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}
 
 
 def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str, Any] | None, *,
