@@ -145,3 +145,45 @@ def test_clearly_worse_needs_more_than_a_flipped_example_with_a_better_nll():
                          {"val_accuracy": 0.333, "val_nll": 1.097}) == [
         "accuracy 0.3330 < 1.0000", "NLL 1.0970 > 0.0260"]
     assert clearly_worse(start, {"val_accuracy": 0.34, "val_nll": float("nan")})
+
+
+@pytest.mark.parametrize("start_nll, kept", [(0.31, "start"), (0.6, "last")])
+def test_a_kept_state_still_infeasible_is_weighed_against_the_searched_start(start_nll, kept):
+    """BestState.retry_start: the kept state's searched NLL (0.5) is above the calibrated
+    start (0.3) + 0.005, so the start is loaded, searched and kept when its searched NLL is
+    lower; otherwise the kept state (weights and searched knobs) is put back."""
+    from types import SimpleNamespace
+
+    from bayesify.train.best import BestState
+
+    net = nn.Linear(2, 2)
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+    start = {k: v.clone() for k, v in net.state_dict().items()}
+    with torch.no_grad():
+        net.weight.fill_(2.0)  # the trained, kept state
+    best = BestState.__new__(BestState)
+    best.state = SimpleNamespace(bnn=net, ctx=SimpleNamespace(is_main=True))
+    best.active, best.start_state, best.initial = True, None, start
+
+    def retune():  # "searched" NLL: 0.5 for the kept weights, start_nll for the start's
+        at_start = bool(torch.all(net.weight == 1.0))
+        nll = start_nll if at_start else 0.5
+        return {"knob": 0.0 if at_start else 1.0, "val_nll": nll}, {"val_nll": nll,
+                                                                    "val_accuracy": 0.9}
+
+    record = {"kept": "last", "kept_val_nll": 0.5, "kept_val_accuracy": 0.9, "knob": 1.0,
+              "start_tempered_val_nll": 0.3}
+    best.retry_start(record, retune)
+    assert record["kept"] == kept and best.initial is None
+    if kept == "start":
+        assert torch.all(net.weight == 1.0) and record["kept_val_nll"] == start_nll
+        assert record["knob"] == 0.0
+    else:
+        assert torch.all(net.weight == 2.0) and record["kept_val_nll"] == 0.5
+        assert record["knob"] == 1.0
+    # a feasible kept state is left alone
+    record = {"kept": "last", "kept_val_nll": 0.302, "start_tempered_val_nll": 0.3}
+    best.initial = start
+    best.retry_start(record, lambda: pytest.fail("searched a feasible state's start"))
+    assert record["kept"] == "last"
