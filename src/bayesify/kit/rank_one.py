@@ -178,9 +178,9 @@ def spread_per_network(layers: dict[str, nn.Module], *, init: str) -> float:
     independently by σ move the logits like one perturbation of σ·√(2L): at 0.1 per factor
     the tiny ViT of the second quality protocol began its fit 0.016 nats above the network
     on validation, and the start state ``fit`` falls back to was that far off too. Returns
-    the factor (1 for a single layer)."""
+    the factor (1 without rank-one layers)."""
     rank_one = [m for m in layers.values() if isinstance(m, RankOneLayer)]
-    if len(rank_one) < 1:
+    if not rank_one:
         return 1.0
     shrink = 1.0 / math.sqrt(2 * len(rank_one))
     with torch.no_grad():

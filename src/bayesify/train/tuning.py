@@ -140,21 +140,18 @@ def network_floor(start_nll: torch.Tensor | None) -> float:
     return 1.0
 
 
-def temperature_floor(bnn: BayesianModel, start_nll: torch.Tensor | None = None) -> float:
-    """The lowest temperature the search may give ``bnn``'s predictive: the grid's lowest
-    for families that sharpen (``sharpens_predictive``; below :func:`network_floor` only for
-    knob values that need it, see :func:`search_knobs`), else :func:`network_floor` — a
-    posterior may correct its network's under-confidence, never buy back its own breadth."""
-    if sharpening_allowed(bnn):
-        return TEMPERATURES[0]
-    return network_floor(start_nll)
+def temperature_floor(bnn: BayesianModel, floor: float = 1.0) -> float:
+    """The lowest temperature the search may give ``bnn``'s predictive, given the starting
+    network's own ``floor`` (:func:`network_floor`): the grid's lowest for families that
+    sharpen (``sharpens_predictive``; below ``floor`` only for knob values that need it, see
+    :func:`search_knobs`), else ``floor`` — a posterior may correct its network's
+    under-confidence, never buy back its own breadth."""
+    return TEMPERATURES[0] if sharpening_allowed(bnn) else floor
 
 
-def _columns(bnn: BayesianModel, start_nll: torch.Tensor | None = None) -> list[int]:
-    """Indices of :data:`TEMPERATURES` the search considers for ``bnn``
-    (:func:`temperature_floor` and above)."""
-    floor = temperature_floor(bnn, start_nll)
-    return [i for i, t in enumerate(TEMPERATURES) if t >= floor - 1e-12]
+def _at_least(lowest: float) -> list[int]:
+    """Indices of :data:`TEMPERATURES` from ``lowest`` up."""
+    return [i for i, t in enumerate(TEMPERATURES) if t >= lowest - 1e-12]
 
 
 def _gather(parts: list[torch.Tensor], ctx: DistContext) -> torch.Tensor:
@@ -242,13 +239,13 @@ def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
 
     per_t, errors = _split(_gather([_base_nll(logits(batch), batch) for batch in batches()],
                                    ctx))
-    columns = _columns(bnn, per_t)
     floor = network_floor(per_t)
+    columns = _at_least(temperature_floor(bnn, floor))
     # the reference: start + temperature scaling over the network's own range, for every
     # family (a sharpening family may go lower, but it is measured against the start as
     # honestly calibrated: on the CNN protocol's seed 2 the start "gained" 0.018 nats at
     # T = 0.6 on validation, 2.6 SE, and lost 0.011 on test)
-    own = [i for i, t in enumerate(TEMPERATURES) if t >= floor - 1e-12]
+    own = _at_least(floor)
     best = own[int(per_t[own].mean(1).argmin())]
     shift = None
     if signal:
