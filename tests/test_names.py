@@ -64,7 +64,7 @@ def test_post_hoc_dropout_is_tuned_without_a_training_pass():
 
     bnn = bz.bayesify(model(), "dropout", train_weights=False)
     before = {k: v.clone() for k, v in bnn.state_dict().items()}
-    with pytest.raises(bz.BayesifyError, match="no trainable"):
+    with pytest.raises(bz.BayesifyError, match="takes no gradient steps"):
         bz.posterior_optimizer(bnn)
     record = bz.tune(bnn, loader(n=32, seed=1))
     assert record["dropout_rate_scale"] in record["dropout_rate_scale_grid"]

@@ -85,7 +85,8 @@ def test_whole_weight_families_keep_accuracy_on_large_logits(loud_cnn12, method,
     model, train, val = loud_cnn12
     acc0, _, _ = base_metrics(model, val)
     torch.manual_seed(0)
-    bnn = bayesify.bayesify(model, method=method)
+    options = {"train_weights": True} if method == "dropout" else {}  # fine-tuned dropout
+    bnn = bayesify.bayesify(model, method=method, **options)
     with caplog.at_level(logging.WARNING, logger=GUARD):
         bayesify.fit(bnn, train, min_steps=20, progress=False, seed=0)
     assert guard_warnings(caplog) == []

@@ -191,7 +191,7 @@ def test_dropout_masks_per_member_and_identity() -> None:
 
 def test_dropout_trains_copy_not_base() -> None:
     net = _net()
-    bnn = bayesify(net, "dropout", p=0.1)
+    bnn = bayesify(net, "dropout", p=0.1, train_weights=True)
     fit(bnn, DataLoader(TensorDataset(X, Y), batch_size=5), epochs=2, lr=0.1, progress=False)
     assert not torch.equal(bnn.model.conv.variational_weight, net.conv.weight)
     assert torch.equal(bnn.unwrap().conv.weight, net.conv.weight)

@@ -184,13 +184,16 @@ def exit_if_worse(history: list[dict[str, Any]], out: Path, method: str) -> int:
 
 def _fit_or_tune(bnn: Any, loaders: dict[str, Any], args: argparse.Namespace,
                  fit_kwargs: dict[str, Any], *, log_dir: Path) -> list[dict[str, Any]]:
-    """``fit``; a family with nothing to train (post-hoc MC dropout, ``--no-train-weights``)
-    skips the training pass and only runs the validation search (``bayesify.tune``)."""
+    """``fit``; a family with nothing to train (post-hoc MC dropout, the default; with
+    ``--train-weights`` it fine-tunes) skips the pass over the training data and only runs
+    the validation search (``bayesify.tune``)."""
     from bayesify.train.loop import fit
     from bayesify.train.tuning import tune
 
     trainable = any(p.requires_grad for p in bnn.posterior_parameters())
-    if bnn.method.step().optimizes and not trainable and not args.base_lr:
+    step = bnn.method.step()
+    nothing = getattr(step, "trains_nothing", False) or (step.optimizes and not trainable)
+    if nothing and not args.base_lr:
         if is_main():
             print(f"bayesify: {args.method} has no trainable posterior parameters: no training "
                   "pass, the validation search only", file=sys.stderr)

@@ -196,3 +196,21 @@ class CurvatureStep(Step):
             for buffer in self.statistics(ctx.bnn):
                 buffer.copy_(ctx.all_reduce_sum(buffer))
         return self.finish(ctx)
+
+
+
+class NothingToTrainStep(CurvatureStep):
+    """A family whose posterior is complete before ``fit`` (post-hoc MC dropout): the pass
+    over the data adds nothing, and what ``fit`` does is its validation search (the knob
+    and the temperature). ``trains_nothing`` tells ``bayesify fit`` to skip the pass."""
+
+    trains_nothing = True
+
+    def __init__(self, refusal: str) -> None:
+        self.refusal = refusal
+
+    def accumulate(self, bnn: BayesianModel, inputs: Any, labels: torch.Tensor) -> None:
+        return None
+
+    def step(self, batch: Batch, ctx: FitContext) -> None:
+        return None

@@ -9,7 +9,7 @@ from bayesify.core.fitting import Step
 from bayesify.core.method import wrapper_table
 from bayesify.kit.family import NoiseFamily
 from bayesify.kit.knobs import SpreadKnob
-from bayesify.kit.steps import ElboStep, RoundRobin
+from bayesify.kit.steps import ElboStep, NothingToTrainStep, RoundRobin
 from bayesify.methods.dropout.config import DropoutConfig
 from bayesify.methods.dropout.layers import DropoutLayer
 
@@ -46,6 +46,12 @@ class DropoutMethod(SpreadKnob, NoiseFamily):
         super().prepare(bnn)
 
     def step(self) -> Step:
+        if not self.config.train_weights:  # post-hoc: fit = the validation search
+            return NothingToTrainStep(
+                "post-hoc MC dropout (train_weights=False, the default) has nothing to train: "
+                "fit makes no optimiser step and only chooses the dropout rate and the "
+                "temperature on validation data; bayesify(model, 'dropout', "
+                "train_weights=True) fine-tunes the weights under dropout")
         # lr: the variational parameters are the pretrained weights: a fine-tuning LR.
         # clip_grad_norm 1: SGD moves whole weights by lr·g, and g grows with the logit
         # scale and with 1/σ of the frozen BatchNorm statistics (weights shrunk by weight
