@@ -107,10 +107,11 @@ class SentenceClassifier(nn.Module):
 
 
 def minilm_classifier(*, layers: int = 1, seed: int = 0, per_class: int = 60,
-                      val_size: int | None = None,
-                      batch_size: int = 32) -> tuple[nn.Module, DataLoader, DataLoader]:
+                      val_size: int | None = None, batch_size: int = 32,
+                      test_size: int = 0) -> tuple[nn.Module, DataLoader, DataLoader]:
     """MiniLM (first ``layers`` blocks, real weights) + a head trained on a template text set
-    (``4·per_class`` sentences; the last ``val_size`` — default half — for validation)."""
+    (``4·per_class`` sentences; the last ``val_size`` — default half — for validation);
+    ``test_size > 0``: a third loader of that many sentences drawn with another seed."""
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -128,7 +129,11 @@ def minilm_classifier(*, layers: int = 1, seed: int = 0, per_class: int = 60,
     torch.manual_seed(seed)
     model = SentenceClassifier(encoder, len(TOPICS))
     datasets = []
-    for part in (examples[:split], examples[split:]):
+    parts = [examples[:split], examples[split:]]
+    if test_size:
+        parts.append(text_examples(seed=seed + 7919, per_class=-(-test_size // len(TOPICS)))
+                     [:test_size])
+    for part in parts:
         enc = tokenizer([t for t, _ in part], padding="max_length", truncation=True, max_length=14,
                         return_tensors="pt")
         datasets.append(TokenDataset(dict(enc), torch.tensor([y for _, y in part])))
@@ -143,8 +148,8 @@ def minilm_classifier(*, layers: int = 1, seed: int = 0, per_class: int = 60,
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     loaders = [DataLoader(datasets[0], batch_size=batch_size, shuffle=True, generator=generator),
-               DataLoader(datasets[1], batch_size=128)]
-    return model, loaders[0], loaders[1]
+               *(DataLoader(d, batch_size=128) for d in datasets[1:])]
+    return (model, *loaders)
 
 
 def digits_classifier(*, seed: int = 0, epochs: int = 6) -> tuple[nn.Module, DataLoader, DataLoader]:

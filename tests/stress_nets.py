@@ -1,7 +1,9 @@
 """Pretrained networks that exercise the known traps of a default fit (issue 30).
 
 Every builder returns ``(model, train_loader, val_loader)`` with the model trained
-here in a few seconds (the "pretrained" network) and in eval mode:
+here in a few seconds (the "pretrained" network) and in eval mode (``test=True``: and a
+held-out ``test_loader`` of the same distribution, for measurements off the validation
+split a search used):
 
 * :func:`bn_cnn` — scikit-learn digits, grey, upscaled; BatchNorm after every
   convolution, Dropout before the classifier, trained with AdamW and a large weight
@@ -45,9 +47,10 @@ def bn_cnn_module(num_classes: int = 10, *, depthwise: bool = False, width: int 
 
 
 def digits_tensors(*, size: int = 16, n_train: int = 500, n_val: int = 300, seed: int = 0,
-                   num_classes: int = 10, raw: bool = False):
+                   num_classes: int = 10, raw: bool = False, n_test: int = 0):
     """Grey digits upscaled to ``size``; ``raw`` keeps 0–255 pixel values (else [0, 1]);
-    ``num_classes=2`` keeps digits 0 vs 1 … by parity (even/odd)."""
+    ``num_classes=2`` keeps digits 0 vs 1 … by parity (even/odd); ``n_test > 0``: two more
+    tensors, the next ``n_test`` images of the same permutation."""
     from sklearn.datasets import load_digits
 
     data = load_digits()
@@ -60,6 +63,9 @@ def digits_tensors(*, size: int = 16, n_train: int = 500, n_val: int = 300, seed
         x = (x * 255.0).round()
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     tr, va = perm[:n_train], perm[n_train:n_train + n_val]
+    if n_test:
+        te = perm[n_train + n_val:n_train + n_val + n_test]
+        return x[tr], y[tr], x[va], y[va], x[te], y[te]
     return x[tr], y[tr], x[va], y[va]
 
 
@@ -79,7 +85,8 @@ def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, steps: int, lr
 
 def bn_cnn(*, num_classes: int = 10, depthwise: bool = False, logit_scale: float = 1.0,
            raw: bool = False, weight_decay: float = 0.5, steps: int = 150, seed: int = 0,
-           batch_size: int = 16, n_train: int = 500, size: int = 16, head: int | None = None):
+           batch_size: int = 16, n_train: int = 500, size: int = 16, head: int | None = None,
+           test: bool = False):
     """A pretrained BatchNorm CNN on grey digits (see the module docstring).
 
     ``raw`` feeds 0–255 pixel values straight into the first convolution (the network was
@@ -87,8 +94,9 @@ def bn_cnn(*, num_classes: int = 10, depthwise: bool = False, logit_scale: float
     outputs are the digits (the rest never seen in training).
     """
     torch.manual_seed(seed)
-    x, y, xv, yv = digits_tensors(size=size, n_train=n_train, seed=seed, num_classes=num_classes,
-                                  raw=raw)
+    x, y, xv, yv, *held = digits_tensors(size=size, n_train=n_train, seed=seed,
+                                         num_classes=num_classes, raw=raw,
+                                         n_test=400 if test else 0)
     model = bn_cnn_module(head or num_classes, depthwise=depthwise)
     _train(model, x, y, steps=steps, lr=3e-3, weight_decay=weight_decay, seed=seed)
     if logit_scale != 1.0:  # an over-confident MAP: the head itself gives the large logits
@@ -98,6 +106,8 @@ def bn_cnn(*, num_classes: int = 10, depthwise: bool = False, logit_scale: float
     gen = torch.Generator().manual_seed(seed)
     train = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, generator=gen)
     val = DataLoader(TensorDataset(xv, yv), batch_size=100)
+    if test:
+        return model, train, val, DataLoader(TensorDataset(*held), batch_size=100)
     return model, train, val
 
 
@@ -130,15 +140,19 @@ def token_tensors(n: int, *, seed: int, num_classes: int = 4, length: int = 12, 
 
 
 def tiny_transformer(*, seed: int = 0, steps: int = 200, weight_decay: float = 0.5,
-                     batch_size: int = 16):
+                     batch_size: int = 16, test: bool = False):
     torch.manual_seed(seed)
     x, y = token_tensors(400, seed=seed)
     xv, yv = token_tensors(300, seed=seed + 1)
     model = TinyTransformer()
     _train(model, x, y, steps=steps, lr=3e-3, weight_decay=weight_decay, seed=seed)
     gen = torch.Generator().manual_seed(seed)
-    return (model, DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
-                              generator=gen), DataLoader(TensorDataset(xv, yv), batch_size=100))
+    loaders = (model, DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
+                                 generator=gen), DataLoader(TensorDataset(xv, yv), batch_size=100))
+    if test:
+        return (*loaders, DataLoader(TensorDataset(*token_tensors(400, seed=seed + 2)),
+                                     batch_size=100))
+    return loaders
 
 
 # -- the real EfficientNet-Lite0 ---------------------------------------------------------
