@@ -74,6 +74,13 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py [--protocol digits-vit] --seeds 0 1 2 --save-seeds "
              "[--variant ...]; python benchmarks/per_seed.py; BAYESIFY_STRESS_TABLE=cells.jsonl "
              "pytest -m slow tests/test_stress_pretrained.py; the text is written by hand"),
+        Part("held_out.md", "Post-hoc MC dropout, a wider feasibility margin tried, the stress "
+             "matrix on held-out seeds and test splits",
+             "python benchmarks/quality.py [--protocol digits-vit] --seeds 0 1 2 --save-seeds "
+             "--methods dropout --variant dropout-finetuned dropout train_weights=True; "
+             "BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 BAYESIFY_STRESS_TABLE=cells.jsonl "
+             "pytest -m slow tests/test_stress_pretrained.py; python benchmarks/stress_table.py "
+             "cells.jsonl; the text is written by hand"),
         Part("stress30.md", "Stress matrix: every family's defaults on trap networks (issue 30)",
              "BAYESIFY_STRESS_TABLE=cells.jsonl pytest -m slow tests/test_stress_pretrained.py"),
         Part("issue7.md", "Temperature scaling, every family",

@@ -31,7 +31,7 @@ from bayesify.train.steps import build_optimizer
 FAMILIES = {
     "rank1": {"components": 4, "init": "normal", "init_mean_std": 0.25},
     "batchensemble": {"components": 4, "init": "normal", "init_std": 0.5},
-    "dropout": {"p": 0.1, "predict_samples": 4},
+    "dropout": {"p": 0.1, "predict_samples": 4, "train_weights": True},
     "ensemble": {"components": 4},
 }
 

@@ -75,6 +75,33 @@ def test_post_hoc_dropout_is_tuned_without_a_training_pass():
     assert set(changed) <= {"state.dropout_rate_scale", "state.temperature"}
 
 
+def test_default_dropout_is_post_hoc_and_fit_only_searches():
+    """Post-hoc MC dropout is the default: ``fit`` makes no optimiser step (the weights, the
+    base and every buffer stay), with validation it chooses the rate and the temperature as
+    ``tune`` does, optimisation options are refused with what to do instead, and
+    ``train_weights=True`` still fine-tunes."""
+    import bayesify as bz
+
+    bnn = bz.bayesify(model(), "dropout")
+    assert not bnn.method.step().optimizes and bnn.method.step().trains_nothing
+    before = {k: v.clone() for k, v in bnn.state_dict().items()}
+    result = bz.fit(bnn, loader(), val_loader=loader(n=32, seed=1), progress=False)
+    changed = {k for k, v in bnn.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed <= {"state.dropout_rate_scale", "state.temperature"}
+    twin = bz.bayesify(model(), "dropout")
+    record = bz.tune(twin, loader(n=32, seed=1))
+    assert result.last["dropout_rate_scale"] == record["dropout_rate_scale"]
+    assert result.last["temperature"] == pytest.approx(record["temperature"])
+    with pytest.raises(bz.BayesifyError, match=r"\['lr'\].*train_weights=True"):
+        bz.fit(bz.bayesify(model(), "dropout"), loader(), lr=0.1, progress=False)
+    with pytest.raises(bz.BayesifyError, match="train_weights=True"):
+        bz.posterior_optimizer(bz.bayesify(model(), "dropout"))
+    tuned = bz.bayesify(model(), "dropout", train_weights=True)
+    start = {k: v.clone() for k, v in tuned.posterior_tensors().items()}
+    bz.fit(tuned, loader(), epochs=1, progress=False)
+    assert any(not torch.equal(v, start[k]) for k, v in tuned.posterior_tensors().items())
+
+
 @pytest.mark.parametrize("family", ["swag", "laplace"])
 def test_tune_refuses_families_built_inside_fit(family):
     import bayesify as bz

@@ -33,10 +33,13 @@ if TYPE_CHECKING:
 
 def posterior_lr(bnn: BayesianModel) -> float:
     """The learning rate ``fit`` gives the posterior group when ``lr`` is not set."""
-    lr = bnn.method.step().defaults.get("lr")
+    step = bnn.method.step()
+    lr = step.defaults.get("lr")
     if lr is None:
-        raise BayesifyError(f"method {bnn.method_name!r} takes no gradient steps (its posterior "
-                            "is built by bayesify.fit); it has no posterior learning rate")
+        why = (step.refusal if getattr(step, "trains_nothing", False)
+               else "its posterior is built by bayesify.fit")
+        raise BayesifyError(f"method {bnn.method_name!r} takes no gradient steps ({why}); it "
+                            "has no posterior learning rate")
     return float(lr)
 
 
