@@ -100,6 +100,29 @@ def depthwise12():
     return bn_cnn(size=12, steps=150, n_train=160, depthwise=True, batch_size=16)
 
 
+def test_post_hoc_dropout_without_validation_keeps_the_accuracy(depthwise12):
+    """p = 0.05 before every depthwise convolution, untuned, lost 15–20 points of held-out
+    accuracy: without a val_loader the fit keeps the largest rate multiplier (at most ½)
+    whose predictive holds the network's training accuracy within a point; with one, the
+    search decides and the guard stays out."""
+    model, train, val = depthwise12
+    acc0, _, _ = base_metrics(model, val)
+    torch.manual_seed(0)
+    bnn = bayesify.bayesify(model, method="dropout")
+    record = bayesify.fit(bnn, train, progress=False, seed=0).last
+    scale = bnn.state.value("dropout_rate_scale")
+    assert record["dropout_rate_scale"] == scale and scale in (0.5, 0.25, 0.1, 0.0)
+    assert record["guard_train_accuracy"] >= record["guard_train_accuracy_map"] - 0.01
+    acc, nll, _ = bnn_metrics(bnn, val)
+    assert math.isfinite(nll) and acc >= acc0 - 0.02, (acc, acc0, scale)
+    loose = bayesify.bayesify(model, method="dropout", keep_accuracy=None)
+    bayesify.fit(loose, train, progress=False, seed=0)
+    assert loose.state.value("dropout_rate_scale") == 1.0  # the option turns the guard off
+    searched = bayesify.bayesify(model, method="dropout")
+    record = bayesify.fit(searched, train, val_loader=val, progress=False, seed=0).last
+    assert "guard_train_accuracy" not in record and "dropout_rate_scale_grid" in record
+
+
 @pytest.mark.parametrize("method", ["batchensemble", "rank1"])
 def test_rank_one_factors_anneal_their_rate_so_the_last_iterate_keeps_the_accuracy(method,
                                                                                    depthwise12):

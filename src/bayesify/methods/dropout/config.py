@@ -33,6 +33,11 @@ class DropoutConfig(MethodConfig):
         "Fine-tuning gave no better shift NLL or OOD AUROC on the quality protocols and lost "
         "1.2-1.6 points of test accuracy on one seed of three (benchmarks/RESULTS.md)."
     )
+    keep_accuracy: float | None = option(
+        0.01, "Post-hoc dropout fitted without a val_loader: the rate multiplier is the largest "
+        "of 0.5, 0.25, 0.1, 0 whose predictive's accuracy on the training examples (the first "
+        "2048 of each process) is within this much of the network's. None: keep the rate p "
+        "untouched. With a val_loader the validation search chooses it.")
     samples: int = option(1, "Training repeats of every example (each with its own mask).")
     predict_samples: int = option(8, "M: dropout masks (members) at prediction.")
 
@@ -40,6 +45,8 @@ class DropoutConfig(MethodConfig):
         require(0.0 <= self.p < 1.0, f"p must be in [0, 1), got {self.p}")
         require(self.granularity in GRANULARITIES,
                 f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        require(self.keep_accuracy is None or 0 <= self.keep_accuracy < 1,
+                f"keep_accuracy must be None or in [0, 1), got {self.keep_accuracy!r}")
         require(isinstance(self.samples, int) and self.samples > 0,
                 f"samples must be a positive integer, got {self.samples!r}")
         require(isinstance(self.predict_samples, int) and self.predict_samples > 0,
