@@ -192,7 +192,7 @@ def _fit_or_tune(bnn: Any, loaders: dict[str, Any], args: argparse.Namespace,
 
     trainable = any(p.requires_grad for p in bnn.posterior_parameters())
     step = bnn.method.step()
-    nothing = getattr(step, "trains_nothing", False) or (step.optimizes and not trainable)
+    nothing = step.trains_nothing or (step.optimizes and not trainable)
     if nothing and not args.base_lr:
         if is_main():
             print(f"bayesify: {args.method} has no trainable posterior parameters: no training "

@@ -138,7 +138,9 @@ class Step:
     ``optimizes`` — whether the driver builds an optimiser, seeds the data order and runs
     the model in train mode (``False``: a statistics pass, in eval mode, over every
     example exactly once); ``trains_posterior`` — whether those optimiser steps train the
-    posterior itself (ELBO families), so ``fit`` warns when it barely moved.
+    posterior itself (ELBO families), so ``fit`` warns when it barely moved;
+    ``trains_nothing`` — the posterior is complete before ``fit`` (post-hoc MC dropout): its
+    pass gathers no statistics and ``fit`` is the validation search.
     """
 
     defaults: Mapping[str, Any] = {}
@@ -146,6 +148,7 @@ class Step:
     refusal: str = "they do not apply to this family"
     optimizes: bool = False
     trains_posterior: bool = False
+    trains_nothing: bool = False
 
     # -- the batch layout and loss -----------------------------------------------------
     def forward(self, bnn: BayesianModel, inputs: Any,

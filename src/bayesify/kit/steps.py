@@ -198,7 +198,6 @@ class CurvatureStep(Step):
         return self.finish(ctx)
 
 
-
 class NothingToTrainStep(CurvatureStep):
     """A family whose posterior is complete before ``fit`` (post-hoc MC dropout): the pass
     over the data adds nothing, and what ``fit`` does is its validation search (the knob

@@ -36,7 +36,7 @@ def posterior_lr(bnn: BayesianModel) -> float:
     step = bnn.method.step()
     lr = step.defaults.get("lr")
     if lr is None:
-        why = (step.refusal if getattr(step, "trains_nothing", False)
+        why = (step.refusal if step.trains_nothing
                else "its posterior is built by bayesify.fit")
         raise BayesifyError(f"method {bnn.method_name!r} takes no gradient steps ({why}); it "
                             "has no posterior learning rate")

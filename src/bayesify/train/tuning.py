@@ -377,14 +377,13 @@ def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: in
     broadest = ordered[-1] if knob.prefer == "largest" else ordered[0]
     value = values[index]
     if value == narrowest:
-        longer = ("" if getattr(bnn.method.step(), "trains_nothing", False)
-                  else "Train longer (more epochs), ")
+        advice = "give fit a shift_loader that shows the shift you expect, or use another family"
+        advice = (advice.capitalize() if bnn.method.step().trains_nothing
+                  else f"Train longer (more epochs), {advice}")
         warnings.warn(
             f"{bnn.method_name}: the validation search chose {knob.name} = {value:g}, the "
             f"narrowest end of its grid ({knob.meaning}): the predictive is (close to) the "
-            f"starting network's, so the posterior adds little. {longer}"
-            f"{'give' if longer else 'Give'} fit a shift_loader that shows the shift you "
-            "expect, or use another family", stacklevel=3)
+            f"starting network's, so the posterior adds little. {advice}", stacklevel=3)
     elif value == broadest:
         warnings.warn(
             f"{bnn.method_name}: the validation search chose {knob.name} = {value:g}, the "

@@ -68,13 +68,13 @@ class DropoutMethod(SpreadKnob, NoiseFamily):
 #: while p = 0.05 lost 8 points of test accuracy on the 64-image BatchNorm CNN of the
 #: stress matrix and ½ of it at most 1.5)
 GUARD_ROWS = 2048
-GUARD_SCALES = (0.5, 0.25, 0.1, 0.0)
+GUARD_SCALES = (0.5, 0.25, 0.1)
 
 
 class PostHocDropoutStep(NothingToTrainStep):
     """Post-hoc MC dropout's fit: no optimiser step. With a ``val_loader`` the validation
     search chooses the rate multiplier and the temperature. Without one, the pass over the
-    training data keeps the largest multiplier (½, ¼, 0.1, 0) whose predictive loses
+    training data keeps the largest multiplier (½, ¼, 0.1, else 0) whose predictive loses
     at most ``keep_accuracy`` of the network's accuracy on the first :data:`GUARD_ROWS`
     training examples of each process (every rank counts its own, all choose from the
     sums): an untuned p = 0.05 before every depthwise convolution of a BatchNorm CNN had
@@ -133,10 +133,11 @@ class PostHocDropoutStep(NothingToTrainStep):
         if n == 0:
             return {}
         accuracy = (counts[:-1] / n).tolist()
-        chosen = next(k for k, _ in enumerate(GUARD_SCALES)
-                      if accuracy[k + 1] >= accuracy[0] - self.config.keep_accuracy - 1e-12
-                      or GUARD_SCALES[k] == 0.0)
-        scale = GUARD_SCALES[chosen]
+        # the multiplier 0 is the network itself (its accuracy is accuracy[0])
+        chosen = next((k for k in range(len(GUARD_SCALES))
+                       if accuracy[k + 1] >= accuracy[0] - self.config.keep_accuracy - 1e-12),
+                      None)
+        scale = 0.0 if chosen is None else GUARD_SCALES[chosen]
         if scale != bnn.state.value(KNOB):
             bnn.state.set(KNOB, scale)
             if ctx.rank == 0:
@@ -146,4 +147,4 @@ class PostHocDropoutStep(NothingToTrainStep):
                     "examples within %g (pass a val_loader to choose it on validation data)",
                     KNOB, scale, GUARD_SCALES, int(n), self.config.keep_accuracy)
         return {KNOB: bnn.state.value(KNOB), "guard_train_accuracy_map": accuracy[0],
-                "guard_train_accuracy": accuracy[chosen + 1]}
+                "guard_train_accuracy": accuracy[0 if chosen is None else chosen + 1]}
