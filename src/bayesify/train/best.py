@@ -19,6 +19,8 @@ network: ``bayesify fit`` and ``examples/finetune_imagenet.py`` then exit non-ze
 
 Earlier states are kept for families whose optimiser steps train the posterior itself
 (``Step.trains_posterior``: the ELBO families, dropout and deep ensembles included). A step
+whose initial posterior is not the network (iBNN's means spread around 1) says which entries
+make it so (``step.network_state(bnn)``); the start candidate is then the network itself. A step
 that builds its posterior from the whole trajectory (SWAG) is not rewound step by step; when
 it says what its starting network is as a posterior (``step.start_state(bnn)``: ``state_dict``
 entries, e.g. SWAG's θ̄ = θ₀ with zero spread and the pretrained BatchNorm statistics), that
@@ -129,6 +131,9 @@ class BestState:
                             if self.active and not self.restores else None)
         self.batch_fn, self.samples = batch_fn, samples_per_component
         self.initial = _snapshot(state.bnn) if self.restores else None
+        network = getattr(step, "network_state", None)  # the start as the network itself
+        if self.initial is not None and network is not None:
+            self.initial.update(network(state.bnn))
         self.best: dict[str, torch.Tensor] | None = None
         self.best_metrics: dict[str, float] = {}
         self.best_epoch = 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from bayesify.kit.knobs import SpreadKnob
 from bayesify.kit.steps import ElboStep, RoundRobin
 from bayesify.methods.ibnn.config import IBNNConfig
 from bayesify.methods.ibnn.layers import NodeNoiseLayer
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
 
 KNOB = "ibnn_noise_scale"
 
@@ -81,5 +84,15 @@ class IBNNMethod(SpreadKnob, NoiseFamily):
         # by 5 and the loss reached 1e20 in 3 steps: rank1's KL 6.6e29, batchensemble's
         # NaN NLL with KL 0, iBNN's NaN). Bounding the step's norm keeps the step size
         # the lr promises whatever the network's logit scale; it rarely binds otherwise.
-        return ElboStep(RoundRobin(self.config.samples, self.components),
+        step = ElboStep(RoundRobin(self.config.samples, self.components),
                         lr=self.BASE_LR * self.shrink(), defaults={"clip_grad_norm": 1.0})
+        step.network_state = network_state
+        return step
+
+
+def network_state(bnn: BayesianModel) -> dict[str, torch.Tensor]:
+    """The ``state_dict`` entries that make the posterior the base network at noise scale 0:
+    every component's node means at 1 (the initial means are spread around 1, so the state a
+    fit began with is not the network; ``fit``'s keep-best falls back to this one)."""
+    return {f"{name}.mean": torch.ones_like(layer.mean) for name, layer in bnn.named_modules()
+            if isinstance(layer, NodeNoiseLayer)}
