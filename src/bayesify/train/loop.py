@@ -331,6 +331,10 @@ def fit(
                     start, {"val_nll": record["kept_val_nll"],
                             "val_accuracy": record["kept_val_accuracy"]}))
             bnn.eval()
+            if run.directory is not None and record.get("kept", "last") != "last":
+                # the last checkpoint holds the state that is handed back: resuming the
+                # finished run gives the kept state, not the one keep-best set aside
+                result.last_checkpoint = ckpt.save(state, run)
         return result
 
 
