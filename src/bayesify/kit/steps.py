@@ -213,3 +213,21 @@ class NothingToTrainStep(CurvatureStep):
 
     def step(self, batch: Batch, ctx: FitContext) -> None:
         return None
+
+
+def keeps_accuracy(ctx: FitContext, counts: torch.Tensor,
+                   tolerance: float) -> tuple[int | None, list[float], int] | None:
+    """The accuracy guards of fits without validation (Laplace's τ, post-hoc dropout's rate):
+    ``counts`` ``[1 + C + 1]`` — correct predictions of the network, of C candidates (in the
+    order to try) and the examples counted, on this process — are summed over the ranks;
+    returns the first candidate whose accuracy is within ``tolerance`` of the network's (None
+    when none is), the accuracies ``[network, candidates…]`` and the examples counted over
+    the ranks, or None without examples."""
+    counts = ctx.all_reduce_sum(counts)
+    n = float(counts[-1])
+    if n == 0:
+        return None
+    accuracy = (counts[:-1] / n).tolist()
+    chosen = next((k for k in range(len(accuracy) - 1)
+                   if accuracy[k + 1] >= accuracy[0] - tolerance - 1e-12), None)
+    return chosen, accuracy, int(n)

@@ -13,7 +13,7 @@ from bayesify.core.method import wrapper_table
 from bayesify.core.outputs import logits_of
 from bayesify.kit.family import NoiseFamily
 from bayesify.kit.knobs import SpreadKnob
-from bayesify.kit.steps import ElboStep, NothingToTrainStep, RoundRobin
+from bayesify.kit.steps import ElboStep, NothingToTrainStep, RoundRobin, keeps_accuracy
 from bayesify.methods.dropout.config import DropoutConfig
 from bayesify.methods.dropout.layers import DropoutLayer
 
@@ -128,15 +128,10 @@ class PostHocDropoutStep(NothingToTrainStep):
         local = self._correct if self._correct is not None else torch.zeros(
             len(GUARD_SCALES) + 2, dtype=torch.float64, device=bnn.device)
         self._correct = None
-        counts = ctx.all_reduce_sum(local)
-        n = float(counts[-1])
-        if n == 0:
+        guard = keeps_accuracy(ctx, local, self.config.keep_accuracy)
+        if guard is None:
             return {}
-        accuracy = (counts[:-1] / n).tolist()
-        # the multiplier 0 is the network itself (its accuracy is accuracy[0])
-        chosen = next((k for k in range(len(GUARD_SCALES))
-                       if accuracy[k + 1] >= accuracy[0] - self.config.keep_accuracy - 1e-12),
-                      None)
+        chosen, accuracy, n = guard  # the multiplier 0 is the network itself (accuracy[0])
         scale = 0.0 if chosen is None else GUARD_SCALES[chosen]
         if scale != bnn.state.value(KNOB):
             bnn.state.set(KNOB, scale)
@@ -145,6 +140,6 @@ class PostHocDropoutStep(NothingToTrainStep):
                     "dropout: no val_loader to choose the rate on; %s set to %g, the largest "
                     "of %s whose predictive keeps the network's accuracy on %d training "
                     "examples within %g (pass a val_loader to choose it on validation data)",
-                    KNOB, scale, GUARD_SCALES, int(n), self.config.keep_accuracy)
+                    KNOB, scale, GUARD_SCALES, n, self.config.keep_accuracy)
         return {KNOB: bnn.state.value(KNOB), "guard_train_accuracy_map": accuracy[0],
                 "guard_train_accuracy": accuracy[0 if chosen is None else chosen + 1]}

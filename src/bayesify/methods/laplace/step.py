@@ -20,7 +20,7 @@ from bayesify.core.names import in_base_layer
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
-from bayesify.kit.steps import CurvatureStep
+from bayesify.kit.steps import CurvatureStep, keeps_accuracy
 from bayesify.methods.laplace import curvature as curv
 from bayesify.methods.laplace import state
 from bayesify.methods.laplace.config import LaplaceConfig
@@ -163,14 +163,11 @@ class LaplaceStep(CurvatureStep):
                 correct[k + 1] += (probs.argmax(-1) == labels).sum()
             correct[-1] += len(labels)
         self._rows = []
-        counts = ctx.all_reduce_sum(correct)
-        n = float(counts[-1])
-        if n == 0:
+        guard = keeps_accuracy(ctx, correct, cfg.keep_accuracy)
+        if guard is None:
             return {}
-        accuracy = (counts[:-1] / n).tolist()
-        chosen = next((k for k in range(len(GUARD_FACTORS))
-                       if accuracy[k + 1] >= accuracy[0] - cfg.keep_accuracy - 1e-12),
-                      len(GUARD_FACTORS) - 1)
+        chosen, accuracy, n = guard
+        chosen = len(GUARD_FACTORS) - 1 if chosen is None else chosen
         if chosen > 0:
             state.set_prior_precision(bnn, tau * GUARD_FACTORS[chosen])
             state.forget_posterior(bnn)
@@ -178,7 +175,7 @@ class LaplaceStep(CurvatureStep):
                 "laplace: the evidence's prior precision %.3g lost %.1f accuracy points against "
                 "the MAP on %d training examples; τ raised ×%.3g to %.3g (keep_accuracy=%g; "
                 "pass a val_loader to choose τ on validation data)", float(tau.reshape(-1)[0]),
-                100 * (accuracy[0] - accuracy[1]), int(n), GUARD_FACTORS[chosen],
+                100 * (accuracy[0] - accuracy[1]), n, GUARD_FACTORS[chosen],
                 float((tau * GUARD_FACTORS[chosen]).reshape(-1)[0]), cfg.keep_accuracy)
         return {"marglik_prior_precision": float(tau.reshape(-1)[0]),
                 "guard_train_accuracy_map": accuracy[0],
