@@ -129,3 +129,42 @@ def test_the_search_scores_each_perturbation_on_every_third_example():
         assert torch.equal(mixed.args[0][r], copies[r % 3].args[0][r])
         assert torch.equal(mixed.kwargs["mask"][r], copies[r % 3].kwargs["mask"][r])
     assert torch.equal(mixed.labels, torch.arange(7))
+
+
+def test_a_default_rate_is_scaled_down_for_batches_below_the_reference():
+    from bayesify.train.budget import REFERENCE_BATCH, small_batch_factor
+
+    assert REFERENCE_BATCH == 16
+    assert small_batch_factor(examples_per_step=1, optimizer="sgd") == pytest.approx(1 / 16)
+    assert small_batch_factor(examples_per_step=4, optimizer="adam") == pytest.approx(0.5)
+    assert small_batch_factor(examples_per_step=16, optimizer="sgd") == 1.0
+    assert small_batch_factor(examples_per_step=256, optimizer="sgd") == 1.0  # never up
+    assert small_batch_factor(examples_per_step=None, optimizer="sgd") == 1.0
+
+
+def _mean_drift(batch: int, **fit_kw) -> tuple[float, float]:
+    """How far mean-field's means move in 4 epochs of 64 examples, and the rate it used."""
+    bnn = bayesify(net(), "meanfield")
+    start = {n: p.detach().clone() for n, p in bnn.named_parameters() if n.endswith("_mu")}
+    result = fit(bnn, loader(64, batch=batch), epochs=4, seed=0, progress=False, **fit_kw)
+    moved = sum(float((p.detach() - start[n]).pow(2).sum())
+                for n, p in bnn.named_parameters() if n in start) ** 0.5
+    return moved, result.history[-1]["lr"]
+
+
+def test_batches_of_one_move_the_posterior_as_far_as_the_reference_batch(caplog):
+    """An epoch of batch-B SGD moves the means ~lr·N/B mean gradients: at the default rate a
+    batch of one is scaled by 1/16 and drifts about as far as a batch of 16 (unscaled: many
+    times as far — the stress matrix's batch_of_one lost 8 points that way)."""
+    default = bayesify(net(), "meanfield").method.step().defaults["lr"]
+    ref, lr16 = _mean_drift(16)
+    with caplog.at_level(logging.INFO, logger="bayesify.train.loop"):
+        scaled, lr1 = _mean_drift(1)
+    unscaled, lr_given = _mean_drift(1, lr=default)
+    assert lr16 == default and lr1 == pytest.approx(default / 16) and lr_given == default
+    assert any("examples per optimiser step" in r.getMessage() for r in caplog.records)
+    import bayesify as bz  # a loop of one's own gets the same rate
+    assert bz.posterior_lr(bayesify(net(), "meanfield"), batch_size=1) == pytest.approx(lr1)
+    assert scaled < 3 * ref < unscaled / 2, (scaled, ref, unscaled)
+    # accumulation counts: 16 micro-batches of one are one step of 16 examples
+    assert _mean_drift(1, grad_accum_steps=16)[1] == default

@@ -20,7 +20,9 @@ on a :class:`~bayesify.core.model.BayesianModel`):
   LR and optimiser (ibnn: SGD Nesterov at 0.2). ``args.learning_rate`` (5e-5 by
   default, a full fine-tuning step) is not used for the posterior, it would leave
   it where it started; ``posterior_lr=`` overrides the family's, ``base_lr=`` > 0
-  also trains the base weights. ``args.lr_scheduler_type`` still applies;
+  also trains the base weights. Below 16 examples per optimiser step (batch × devices ×
+  accumulation) the family's LR is scaled down as ``fit`` scales it.
+  ``args.lr_scheduler_type`` still applies;
 - **evaluation**: ``eval_loss`` is the NLL of the posterior predictive (the
   mixture over ``bnn.predictor()``'s members) and the "logits" handed to
   ``compute_metrics`` are its log-probabilities ``[N, C]``;
@@ -92,8 +94,11 @@ class BayesTrainer(transformers.Trainer):
     # -- optimiser and loss ---------------------------------------------------------------
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
+            args = self.args  # examples per optimiser step, as fit counts them
+            per_step = (args.per_device_train_batch_size * max(args.world_size, 1)
+                        * max(args.gradient_accumulation_steps, 1))
             self.optimizer = posterior_optimizer(self._bnn, lr=self.posterior_lr,
-                                                 base_lr=self.base_lr)
+                                                 base_lr=self.base_lr, batch_size=per_step)
         return self.optimizer
 
     def _train_size(self) -> int:

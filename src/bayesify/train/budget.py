@@ -86,6 +86,30 @@ def default_epochs(*, batches_per_epoch: int, grad_accum_steps: int, n_train: in
                     f"{DEFAULT_FORWARDS} (epochs=N fixes it; min_steps= counts optimiser steps)")
 
 
+#: the smallest optimiser batch (examples per step, over ranks and accumulation) the
+#: families' default learning rates assume; a smaller one scales them down (linear rule)
+REFERENCE_BATCH = 16
+
+
+def small_batch_factor(*, examples_per_step: float | None, optimizer: str) -> float:
+    """The multiplier of a *default* learning rate for ``examples_per_step`` < 16.
+
+    The loss of a step is the mean over its batch, so an epoch of batch-B SGD moves the
+    posterior by about ``lr · N/B`` mean gradients: at a fixed epoch budget (the forward-pass
+    budget above) a batch of one drifts 16× as far as a batch of 16 at the same rate. The
+    linear scaling rule (Goyal et al. 2017; the square root for Adam, Malladi et al. 2022)
+    keeps the trajectory of the batch the defaults were chosen at. Measured on the stress
+    matrix's ``batch_of_one`` (64 images, batches of one, benchmarks/results/session5.md):
+    mean-field without validation lost 8–9 points of accuracy at the unscaled rate, with the
+    learned spread switched off too (the means had moved), and none at a tenth of it.
+    1 for batches of at least 16 or an unknown batch size.
+    """
+    if examples_per_step is None or not examples_per_step > 0:
+        return 1.0
+    ratio = min(1.0, float(examples_per_step) / REFERENCE_BATCH)
+    return ratio if optimizer == "sgd" else math.sqrt(ratio)
+
+
 def budget_epochs(batches_per_epoch: int, grad_accum_steps: int, min_steps: int) -> int:
     """Whole epochs that reach ``min_steps`` optimiser steps (1 for a loader without a length)."""
     if batches_per_epoch <= 0:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify.errors import BayesifyError
+from bayesify.train.budget import small_batch_factor
 from bayesify.train.guard import StepGuard
 from bayesify.train.loop import FIT_FALLBACKS
 from bayesify.train.steps import guarded_update, optimiser_groups
@@ -31,8 +32,10 @@ if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
 
-def posterior_lr(bnn: BayesianModel) -> float:
-    """The learning rate ``fit`` gives the posterior group when ``lr`` is not set."""
+def posterior_lr(bnn: BayesianModel, *, batch_size: int | None = None) -> float:
+    """The learning rate ``fit`` gives the posterior group when ``lr`` is not set;
+    ``batch_size``: examples per optimiser step (over ranks and accumulation) — below 16 the
+    rate is scaled down as ``fit`` scales it (:func:`~bayesify.train.budget.small_batch_factor`)."""
     step = bnn.method.step()
     lr = step.defaults.get("lr")
     if lr is None:
@@ -40,15 +43,17 @@ def posterior_lr(bnn: BayesianModel) -> float:
                else "its posterior is built by bayesify.fit")
         raise BayesifyError(f"method {bnn.method_name!r} takes no gradient steps ({why}); it "
                             "has no posterior learning rate")
-    return float(lr)
+    kind = {**FIT_FALLBACKS, **step.defaults}["optimizer"]
+    return float(lr) * small_batch_factor(examples_per_step=batch_size, optimizer=kind)
 
 
 def param_groups(bnn: BayesianModel, *, lr: float | None = None, base_lr: float = 0.0,
-                 weight_decay: float = 0.0, base_weight_decay: float = 0.0) -> list[dict[str, Any]]:
+                 weight_decay: float = 0.0, base_weight_decay: float = 0.0,
+                 batch_size: int | None = None) -> list[dict[str, Any]]:
     """Optimiser groups as ``fit`` builds them: the family's posterior group(s) at ``lr``
     (default :func:`posterior_lr`) and, with ``base_lr > 0``, the base weights you left
     trainable. With ``base_lr == 0`` the base stays frozen, as in ``fit``."""
-    lr = posterior_lr(bnn) if lr is None else float(lr)
+    lr = posterior_lr(bnn, batch_size=batch_size) if lr is None else float(lr)
     groups = optimiser_groups(bnn, bnn.method.step(), lr=lr, weight_decay=weight_decay,
                               base_lr=base_lr, base_weight_decay=base_weight_decay)
     return groups
@@ -57,7 +62,8 @@ def param_groups(bnn: BayesianModel, *, lr: float | None = None, base_lr: float 
 def posterior_optimizer(bnn: BayesianModel, *, lr: float | None = None, base_lr: float = 0.0,
                         optimizer: str | None = None, **group_options: Any) -> torch.optim.Optimizer:
     """The optimiser ``fit`` would use: :func:`param_groups` under the family's optimiser
-    (SGD with Nesterov momentum 0.9 unless the family's step says otherwise)."""
+    (SGD with Nesterov momentum 0.9 unless the family's step says otherwise); ``batch_size``
+    as in :func:`posterior_lr`."""
     defaults = {**FIT_FALLBACKS, **bnn.method.step().defaults}
     kind = optimizer or defaults["optimizer"]
     groups = param_groups(bnn, lr=lr, base_lr=base_lr, **group_options)

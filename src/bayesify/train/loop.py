@@ -50,9 +50,11 @@ from bayesify.train.budget import (  # noqa: F401 - re-exported
     DEFAULT_FORWARDS,
     DEFAULT_MIN_STEPS,
     EPOCHS_HELP,
+    REFERENCE_BATCH,
     budget_epochs,
     default_epochs,
     default_min_steps,
+    small_batch_factor,
 )
 from bayesify.train.clock import FitClock
 from bayesify.train.context import TrainContext, TrainState
@@ -214,7 +216,8 @@ def fit(
             f"method {method.name!r} cannot honour fit option(s) {refused}: {step.refusal}"
         )
     defaults = {**FIT_FALLBACKS, **step.defaults}
-    lr = lr if lr is not None else defaults.get("lr", 0.1)
+    lr_given = lr is not None
+    lr = lr if lr_given else defaults.get("lr", 0.1)
     momentum = defaults["momentum"] if momentum is None else momentum
     weight_decay = defaults["weight_decay"] if weight_decay is None else weight_decay
     lr_schedule = defaults["lr_schedule"] if lr_schedule is None else lr_schedule
@@ -249,7 +252,7 @@ def fit(
                                     weight_decay=weight_decay,
                                     base_weight_decay=base_weight_decay, n_train=n_train,
                                     seed=seed, checkpointing=checkpointing,
-                                    min_steps=min_steps)
+                                    min_steps=min_steps, lr_given=lr_given)
         else:  # a statistics pass: one epoch, eval mode, every example once over the ranks
             state.epochs, state.amp = 1, False
             state.data = TrainData(train_loader, ctx=ctx, seed=0, seeded=False, exact=True)
@@ -350,19 +353,13 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
                   lr: float, base_lr: float, lr_schedule: Any, base_lr_schedule: Any,
                   optimizer: str, momentum: float, weight_decay: float,
                   base_weight_decay: float, n_train: int | None, seed: int | None,
-                  checkpointing: bool, min_steps: int | None = None) -> dict[str, Any]:
+                  checkpointing: bool, min_steps: int | None = None,
+                  lr_given: bool = True) -> dict[str, Any]:
     """Optimiser, schedules, seeded sharded data and noise stream of a gradient step;
     returns the fit options a checkpoint must match."""
     bnn, ctx = state.bnn, state.ctx
     n_train = n_train or _dataset_size(train_loader, state.batch_fn)
     lr_schedule, base_lr_schedule = parse_schedule(lr_schedule), parse_schedule(base_lr_schedule)
-    opt = build_optimizer(bnn, lr=lr, base_lr=base_lr, optimizer=optimizer, momentum=momentum,
-                          weight_decay=weight_decay, base_weight_decay=base_weight_decay,
-                          step=state.family)
-    state.optimizer, state.n_train = opt, n_train
-    state.base_lrs = [g["lr"] for g in opt.param_groups]
-    state.schedules = [base_lr_schedule if g.get("name") == "base" else lr_schedule
-                       for g in opt.param_groups]
     if seed is None and payload is not None:
         seed = int(payload["meta"]["options"]["seed"])
     seeded = seed is not None or checkpointing or ctx.distributed
@@ -372,6 +369,15 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
         torch.manual_seed(rank_seed(seed, ctx.rank) % (2**31))
     state.data = TrainData(train_loader, ctx=ctx, seed=seed, seeded=seeded)
     state.steps_per_epoch = state.data.batches_per_epoch
+    if not lr_given:  # the family's default rate assumes ≥ REFERENCE_BATCH examples a step
+        lr = _small_batch_lr(state, lr, n_train=n_train, optimizer=optimizer)
+    opt = build_optimizer(bnn, lr=lr, base_lr=base_lr, optimizer=optimizer, momentum=momentum,
+                          weight_decay=weight_decay, base_weight_decay=base_weight_decay,
+                          step=state.family)
+    state.optimizer, state.n_train = opt, n_train
+    state.base_lrs = [g["lr"] for g in opt.param_groups]
+    state.schedules = [base_lr_schedule if g.get("name") == "base" else lr_schedule
+                       for g in opt.param_groups]
     if state.epochs is None:
         state.epochs, plan = default_epochs(
             batches_per_epoch=state.steps_per_epoch, grad_accum_steps=state.grad_accum_steps,
@@ -391,6 +397,27 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
         "grad_accum_steps": state.grad_accum_steps, "clip_grad_norm": state.clip_grad_norm,
     }
     return json.loads(json.dumps(options))
+
+
+def _small_batch_lr(state: TrainContext, lr: float, *, n_train: int, optimizer: str) -> float:
+    """The family's default ``lr`` for this run's optimiser batch (:func:`small_batch_factor`):
+    examples per optimiser step = global batch × accumulation, or N_train / steps per epoch
+    for a loader without a ``batch_size``."""
+    accum = max(state.grad_accum_steps, 1)
+    batch = state.data.global_batch_size
+    if batch is not None:
+        per_step: float | None = batch * accum
+    elif state.steps_per_epoch > 0 and n_train > 0:
+        per_step = n_train * accum / (state.steps_per_epoch * state.ctx.world_size)
+    else:
+        per_step = None
+    factor = small_batch_factor(examples_per_step=per_step, optimizer=optimizer)
+    if factor < 1.0 and state.ctx.is_main:
+        logger.info("fit: %g examples per optimiser step, below the %d the default learning "
+                    "rate assumes: lr %g → %g (%s scaling; lr= sets it)", per_step,
+                    REFERENCE_BATCH, lr, lr * factor,
+                    "linear" if optimizer == "sgd" else "square-root")
+    return lr * factor
 
 
 def _forward(state: TrainContext, *, compile: bool | dict[str, Any],
