@@ -80,6 +80,7 @@ from bayesify.train.hooks import (
 )
 from bayesify.train.options import validate_fit_options
 from bayesify.train.schedules import parse_schedule
+from bayesify.train.spread_guard import guard_spread
 from bayesify.train.steps import TrainForward, build_optimizer, flush_group, train_step
 
 if TYPE_CHECKING:
@@ -302,6 +303,8 @@ def fit(
                     if val_loader is not None:
                         knobs = method.knobs(bnn) + laplace_heads.heads_knob(bnn)
                         record.update(state.tune(knobs))
+                    elif step.optimizes and payload is None:  # no validation: keep accuracy
+                        record.update(guard_spread(state, method.knobs(bnn)))
             if val_loader is not None and clock.should_validate(record, epoch=state.epoch,
                                                                 is_last=is_last):
                 began = time.perf_counter()

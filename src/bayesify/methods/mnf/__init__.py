@@ -18,7 +18,7 @@ Design notes (in the style of DESIGN.md §4; the mathematics is in the module do
   r = eq. 11–12 plus each node's own statistic of W (``inverse_model``); divided by N_train
   by the trainer. ``weight_std=0``: ``KL(q(z_T)‖N(1, s²))``; with ``flow_depth=0`` too the
   family *is* iBNN with ``components=1`` (equal loss on the same batch and noise).
-- Training: ElboStep, every example repeated S = 2 times, SGD Nesterov at iBNN's 0.2
+- Training: ElboStep, every example repeated S = 2 times, SGD Nesterov at iBNN's per-network 0.2/√L
   (z, flow and log-scale stds are O(1) whatever the network). Prediction: M = 10 members,
   each a fixed draw of z and of the pre-activation noise; export freezes those draws (the
   pre-activation noise has the example's spatial size / sequence length, as meanfield's).

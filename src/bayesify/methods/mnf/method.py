@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 from torch import nn
@@ -48,16 +49,26 @@ class MNFMethod(SpreadKnob, NoiseFamily):
                         f"mnf cannot wrap {name!r}: padding='same' with padding_mode="
                         f"{module.padding_mode!r} has no variance convolution; exclude it "
                         f"(exclude=[{name!r}]) or use weight_std=0 (node noise only)")
+        self.depth = len(targets)
         return super().build(model, targets, context)
 
+    def shrink(self) -> float:
+        """1/√L for L > 1 wrapped layers, as iBNN's per-network rate: the z are multipliers
+        whose changes compound over the layers."""
+        depth = getattr(self, "depth", 1)
+        return 1.0 / math.sqrt(depth) if depth > 1 else 1.0
+
     def step(self) -> Step:
-        # lr: iBNN's: z, its flow and σ's softplus parameters are O(1) multipliers and
-        # log-scales; the
+        # lr: iBNN's per network, 0.2/√L: z, its flow and σ's softplus parameters are O(1)
+        # multipliers and log-scales whose changes compound over the L wrapped layers (a flat
+        # 0.2 cost 5 points of held-out accuracy on the stress matrix's ×20-logit CNN, L = 4,
+        # and 2.5 on its depthwise CNN, L = 5; 0.2/√L: +0.5 and +0.25,
+        # benchmarks/results/session5.md); the
         # base weights (the mean of q(W|z)) stay frozen unless base_lr > 0
         # clip_grad_norm 1: the factors are O(1) but their gradient is not — it scales with
         # the logits (×20 logits: gradient ×20, so one step at this lr multiplied channels
         # by 5 and the loss reached 1e20 in 3 steps: rank1's KL 6.6e29, batchensemble's
         # NaN NLL with KL 0, iBNN's NaN). Bounding the step's norm keeps the step size
         # the lr promises whatever the network's logit scale; it rarely binds otherwise.
-        return ElboStep(RoundRobin(self.config.samples, 1), lr=0.2,
+        return ElboStep(RoundRobin(self.config.samples, 1), lr=0.2 * self.shrink(),
                         defaults={"clip_grad_norm": 1.0})
