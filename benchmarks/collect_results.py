@@ -81,6 +81,13 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 BAYESIFY_STRESS_TABLE=cells.jsonl "
              "pytest -m slow tests/test_stress_pretrained.py; python benchmarks/stress_table.py "
              "cells.jsonl; the text is written by hand"),
+        Part("session5.md", "Small batches, a spread guard without validation, MNF's "
+             "per-network rate: the held-out stress matrix",
+             "BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 BAYESIFY_STRESS_TABLE=cells.jsonl "
+             "pytest -m slow tests/test_stress_pretrained.py -k 'batch_of_one or False or mnf'; "
+             "python benchmarks/stress_table.py cells.jsonl; python benchmarks/quality.py "
+             "[--protocol digits-vit] --seeds 0 1 2 --save-seeds --methods mnf; the text is "
+             "written by hand"),
         Part("stress30.md", "Stress matrix: every family's defaults on trap networks (issue 30)",
              "BAYESIFY_STRESS_TABLE=cells.jsonl pytest -m slow tests/test_stress_pretrained.py"),
         Part("issue7.md", "Temperature scaling, every family",

@@ -167,7 +167,8 @@ def fit(
     The family's step (``bnn.method.step()``) runs every batch. ELBO families: loss
     per step = mean NLL over the tiled batch + β(t)·KL/N_train,
     β(t) linear 0 → ``beta`` over ``kl_anneal_epochs`` (fixed when 0); SGD
-    Nesterov at ``lr`` (default: the family's), no weight decay on the posterior;
+    Nesterov at ``lr`` (default: the family's, scaled down below 16 examples per optimiser
+    step, :func:`~bayesify.train.budget.small_batch_factor`), no weight decay on the posterior;
     base weights stay frozen unless ``base_lr > 0``. Snapshot families (SWAG,
     snapshot ensembles) take SGD steps at the family's LR/momentum/weight decay and
     collect the iterates; Laplace makes one curvature pass. ``lr_schedule`` /
@@ -180,6 +181,9 @@ def fit(
     network (:mod:`bayesify.train.best`) and, for families
     with a predictive-scale knob, the validation-tuned choice of it at the end (the
     knob search, :mod:`bayesify.train.tuning`; ``bayesify.tune`` runs it on its own).
+    Without ``val_loader`` a spread knob keeps the largest of 1, ½, ¼, 0.1 (else 0) whose
+    predictive keeps the mean network's accuracy on the first 1,024 training examples
+    within a point (:mod:`bayesify.train.spread_guard`).
     ``batch_fn``: how to split a batch the loader yields (see
     :mod:`bayesify.core.batch`).
 
