@@ -66,6 +66,8 @@ def loader(data) -> DataLoader:
 def state_of(bnn) -> dict[str, torch.Tensor]:
     out = {f"q.{n}": p.detach().clone() for n, p in bnn.named_posterior_parameters()}
     out.update({f"w.{n}": p.detach().clone() for n, p in bnn.named_base_parameters()})
+    # the knobs and temperature too (without validation the spread guard sets the knob)
+    out.update({f"s.{n}": b.detach().clone().double() for n, b in bnn.state.named_buffers()})
     return out
 
 

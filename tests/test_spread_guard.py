@@ -74,3 +74,22 @@ def test_member_temperatures_are_not_spread_knobs():
     net, _ = task()
     assert spread_knobs(bayesify.bayesify(net, "ensemble").method.knobs(
         bayesify.bayesify(net, "ensemble"))) == []
+
+
+def test_a_resumed_fit_guards_the_spread_as_an_uninterrupted_one(tmp_path):
+    from test_resume import Kill, KillAt
+
+    net, train = task()
+    opts = {"epochs": 2, "lr": 1e-6, "seed": 3, "progress": False}
+    full = bayesify.bayesify(net, "meanfield", delta=3.0)
+    bayesify.fit(full, train, **opts)
+    knob = spread_knobs(full.method.knobs(full))[0].name
+    assert full.state.value(knob) < 1.0
+    first = bayesify.bayesify(net, "meanfield", delta=3.0)
+    try:
+        bayesify.fit(first, train, checkpoint_dir=tmp_path, callbacks=[KillAt(epoch=1)], **opts)
+    except Kill:
+        pass
+    resumed = bayesify.bayesify(net, "meanfield", delta=3.0)
+    bayesify.fit(resumed, train, checkpoint_dir=tmp_path, resume=tmp_path, **opts)
+    assert resumed.state.value(knob) == full.state.value(knob)

@@ -307,7 +307,7 @@ def fit(
                     if val_loader is not None:
                         knobs = method.knobs(bnn) + laplace_heads.heads_knob(bnn)
                         record.update(state.tune(knobs))
-                    elif step.optimizes and payload is None:  # no validation: keep accuracy
+                    elif step.optimizes:  # no validation: the spread keeps the accuracy
                         record.update(guard_spread(state, method.knobs(bnn)))
             if val_loader is not None and clock.should_validate(record, epoch=state.epoch,
                                                                 is_last=is_last):
