@@ -5,7 +5,7 @@ predictive uses (:mod:`bayesify.train.tuning`). Without one the trained spread (
 was kept as it came out of training, and on the held-out stress matrix that cost accuracy:
 the hypernetwork's noise −2.7 points on a BatchNorm CNN (seed 2), MNF's −2.5 to −5.3 on
 three networks (benchmarks/results/session5.md). This guard runs once, at the end of such a
-fit: on the first :data:`GUARD_ROWS` training examples of each process it keeps the largest
+fit: on the first :data:`GUARD_ROWS` training examples (over the processes) it keeps the largest
 multiplier of 1, ½, ¼ and 0.1 (else 0, the posterior mean) whose predictive keeps the
 accuracy of the mean network (the knob at 0) within ``tolerance`` (one point), counts
 summed over the ranks (:func:`bayesify.kit.steps.keeps_accuracy`), so every rank makes the
@@ -22,6 +22,7 @@ spread — so validation data remains the way to choose the spread.
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,17 +60,19 @@ def guard_spread(state: TrainContext, knobs: list[Knob],
 
 
 def _rows(state: TrainContext) -> list[tuple[Any, torch.Tensor]]:
-    """This process's first :data:`GUARD_ROWS` training examples (whole batches, at least one),
-    in the order of the last epoch."""
+    """This process's share of the first :data:`GUARD_ROWS` training examples of the last
+    epoch's order (whole batches, at least one): ``GUARD_ROWS / world size`` each, so that
+    ``torchrun`` counts the examples one process would."""
     bnn, rows, taken = state.bnn, [], 0
+    quota = math.ceil(GUARD_ROWS / max(state.ctx.world_size, 1))
     state.data.set_epoch(max(state.epoch, 0))
     for batch in epoch_batches(state.data, device=bnn.device, batch_fn=state.batch_fn):
         labels = batch.require_labels("fit")
-        if taken and taken + labels.shape[0] > GUARD_ROWS:
+        if taken and taken + labels.shape[0] > quota:
             break
         rows.append((batch.model_input(), labels))
         taken += labels.shape[0]
-        if taken >= GUARD_ROWS:
+        if taken >= quota:
             break
     return rows
 
