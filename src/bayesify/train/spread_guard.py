@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bayesify.kit import laplace_heads
 from bayesify.kit.steps import keeps_accuracy
 from bayesify.train.data import epoch_batches
 
@@ -91,7 +92,9 @@ def _guard_one(state: TrainContext, knob: Knob, tolerance: float) -> dict[str, A
     chosen, mean_acc, spread_acc, total = None, 0.0, 0.0, 0
     try:
         knob.set(0.0)
-        mean_correct = _correct(bnn, rows, 1)  # the mean network: one member is all of it
+        # the mean network: one member is all of it (member-wise Laplace heads are fitted
+        # for the family's member count and predict with it)
+        mean_correct = _correct(bnn, rows, None if laplace_heads.enabled(bnn) else 1)
         for scale in GUARD_SCALES:
             knob.set(scale)
             # the mean network's and this candidate's correct counts, summed over the ranks
