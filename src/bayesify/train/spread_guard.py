@@ -3,9 +3,10 @@
 With a ``val_loader`` the knob search chooses how much of the learned spread the
 predictive uses (:mod:`bayesify.train.tuning`). Without one the trained spread (knob 1)
 was kept as it came out of training, and on the held-out stress matrix that cost accuracy:
-the hypernetwork's noise −2.7 points on a BatchNorm CNN (seed 2), MNF's −2.5 to −5.3 on
-three networks (benchmarks/results/session5.md). This guard runs once, at the end of such a
-fit: on the first :data:`GUARD_ROWS` training examples (over the processes) it keeps the largest
+the hypernetwork's noise −2.75 and −2.2 points on two BatchNorm CNNs (seed 2), where it cost
+2 points of training accuracy too (benchmarks/results/session5.md). This guard runs once, at
+the end of such a fit: on the first :data:`GUARD_ROWS` training examples (over the
+processes) it keeps the largest
 multiplier of 1, ½, ¼ and 0.1 (else 0, the posterior mean) whose predictive keeps the
 accuracy of the mean network (the knob at 0) within ``tolerance`` (one point), counts
 summed over the ranks (:func:`bayesify.kit.steps.keeps_accuracy`), so every rank makes the
