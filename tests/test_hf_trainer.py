@@ -110,3 +110,22 @@ def test_plain_model_has_no_config_and_trainer_refuses_plain_models():
     assert not hasattr(bnn, "config") and bnn.posterior_config is bnn.method.config
     with pytest.raises(BayesifyError, match="bayesify"):
         BayesTrainer(model=torch.nn.Linear(4, 3))
+
+
+def test_small_batches_scale_the_posterior_rate_as_fit_does(tmp_path):
+    """Four examples per step (2 per device × 2 accumulation): the family's rate × 4/16."""
+    pytest.importorskip("transformers")
+    from torch import nn
+    from transformers import TrainingArguments
+
+    import bayesify
+    from bayesify.integrations.hf import BayesTrainer
+
+    torch.manual_seed(0)
+    bnn = bayesify.bayesify(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), "ibnn")
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, report_to=[], use_cpu=True)
+    trainer = BayesTrainer(model=bnn, args=args)
+    group = trainer.create_optimizer().param_groups[0]
+    assert group["lr"] == pytest.approx(bayesify.posterior_lr(bnn) * 4 / 16)
+    assert group["lr"] == pytest.approx(bayesify.posterior_lr(bnn, batch_size=4))
