@@ -6,11 +6,10 @@ was kept as it came out of training, and on the held-out stress matrix that cost
 the hypernetwork's noise −2.75 and −2.2 points on two BatchNorm CNNs (seed 2), where it cost
 2 points of training accuracy too (benchmarks/results/session5.md). This guard runs once, at
 the end of such a fit: on the first :data:`GUARD_ROWS` training examples (over the
-processes) it keeps the largest
-multiplier of 1, ½, ¼ and 0.1 (else 0, the posterior mean) whose predictive keeps the
-accuracy of the mean network (the knob at 0) within ``tolerance`` (one point), counts
-summed over the ranks (:func:`bayesify.kit.steps.keeps_accuracy`), so every rank makes the
-same choice. Candidates are predicted lazily: a fit whose spread keeps the accuracy pays two
+processes) it keeps the largest multiplier of 1, ½, ¼ and 0.1 (else 0, the posterior mean)
+whose predictive keeps the accuracy of the mean network (the knob at 0) within
+``tolerance`` (one point), counts summed over the ranks
+(:func:`bayesify.kit.steps.keeps_accuracy`), so every rank makes the same choice. Candidates are predicted lazily: a fit whose spread keeps the accuracy pays two
 passes over those rows (the mean network, then the predictive).
 
 It applies to the knobs that multiply a learned spread, i.e. whose grid holds 0 (the mean
@@ -38,7 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: training examples per process the guard predicts
+#: training examples the guard predicts (over the processes, each its share)
 GUARD_ROWS = 1024
 #: the multipliers tried, largest first (0, the mean network, when none keeps the accuracy)
 GUARD_SCALES = (1.0, 0.5, 0.25, 0.1)
