@@ -312,7 +312,10 @@ def fit(
             if val_loader is not None and clock.should_validate(record, epoch=state.epoch,
                                                                 is_last=is_last):
                 began = time.perf_counter()
-                metrics = validate(desc=f"validate epoch {state.epoch + 1}")
+                # the global RNG stream of training is left as it was: whether an epoch is
+                # validated (a timing decision, FitClock) must not change the next epochs
+                with torch.random.fork_rng(devices=_rng_devices(ctx.device)):
+                    metrics = validate(desc=f"validate epoch {state.epoch + 1}")
                 record["val_seconds"] = clock.validated(time.perf_counter() - began)
                 record.update({f"val_{k}": v for k, v in metrics.items() if isinstance(v, float)})
                 best.see(record, is_last=is_last)
@@ -404,6 +407,11 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
         "grad_accum_steps": state.grad_accum_steps, "clip_grad_norm": state.clip_grad_norm,
     }
     return json.loads(json.dumps(options))
+
+
+def _rng_devices(device: torch.device) -> list[int]:
+    """The CUDA device whose RNG ``fork_rng`` must also keep (none on CPU)."""
+    return [device.index or 0] if device.type == "cuda" else []
 
 
 def _small_batch_lr(state: TrainContext, lr: float, *, n_train: int, optimizer: str) -> float:
