@@ -185,3 +185,17 @@ def test_validating_between_epochs_leaves_the_trajectory_as_it_was(method):
         states.append({n: p.detach().clone() for n, p in bnn.named_posterior_parameters()})
     for name, tensor in states[0].items():
         assert torch.equal(tensor, states[1][name]), name
+
+
+def test_without_a_batch_size_the_global_batch_is_n_train_over_the_batches_per_epoch():
+    """Two ranks, 8 batches each over 64 examples: 8 examples per step, rate × 8/16."""
+    from types import SimpleNamespace
+
+    from bayesify.train.loop import _small_batch_lr
+
+    state = SimpleNamespace(grad_accum_steps=1, steps_per_epoch=8,
+                            data=SimpleNamespace(global_batch_size=None),
+                            ctx=SimpleNamespace(world_size=2, is_main=True))
+    assert _small_batch_lr(state, 0.2, n_train=64, optimizer="sgd") == pytest.approx(0.1)
+    state.grad_accum_steps = 2  # two such batches a step: 16 examples, no scaling
+    assert _small_batch_lr(state, 0.2, n_train=64, optimizer="sgd") == pytest.approx(0.2)

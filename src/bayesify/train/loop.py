@@ -416,14 +416,15 @@ def _rng_devices(device: torch.device) -> list[int]:
 
 def _small_batch_lr(state: TrainContext, lr: float, *, n_train: int, optimizer: str) -> float:
     """The family's default ``lr`` for this run's optimiser batch (:func:`small_batch_factor`):
-    examples per optimiser step = global batch × accumulation, or N_train / steps per epoch
-    for a loader without a ``batch_size``."""
+    examples per optimiser step = global batch × accumulation, or N_train / batches per
+    epoch × accumulation for a loader without a ``batch_size`` (every rank runs that many
+    batches and together they cover the N_train examples: that quotient is the global batch)."""
     accum = max(state.grad_accum_steps, 1)
     batch = state.data.global_batch_size
     if batch is not None:
         per_step: float | None = batch * accum
     elif state.steps_per_epoch > 0 and n_train > 0:
-        per_step = n_train * accum / (state.steps_per_epoch * state.ctx.world_size)
+        per_step = n_train * accum / state.steps_per_epoch
     else:
         per_step = None
     factor = small_batch_factor(examples_per_step=per_step, optimizer=optimizer)
