@@ -55,8 +55,10 @@ def guard_spread(state: TrainContext, knobs: list[Knob],
                  tolerance: float = TOLERANCE) -> dict[str, Any]:
     """Choose each spread knob of a fit without validation (see the module); the record."""
     record: dict[str, Any] = {}
-    for knob in spread_knobs(knobs):
-        record.update(_guard_one(state, knob, tolerance))
+    guarded = spread_knobs(knobs)
+    rows = _rows(state) if guarded else []  # read once for every knob
+    for knob in guarded:
+        record.update(_guard_one(state, knob, rows, tolerance))
     return record
 
 
@@ -83,11 +85,11 @@ def _correct(bnn: Any, rows: list[tuple[Any, torch.Tensor]], samples: int | None
                           .argmax(-1) == y).sum()) for x, y in rows))
 
 
-def _guard_one(state: TrainContext, knob: Knob, tolerance: float) -> dict[str, Any]:
+def _guard_one(state: TrainContext, knob: Knob, rows: list[tuple[Any, torch.Tensor]],
+               tolerance: float) -> dict[str, Any]:
     bnn = state.bnn
     was_training = bnn.training
     bnn.eval()
-    rows = _rows(state)
     n = float(sum(y.shape[0] for _, y in rows))
     chosen, mean_acc, spread_acc, total = None, 0.0, 0.0, 0
     try:
