@@ -103,6 +103,33 @@ def rows_per_example(bnn: Any, batch: int, device: Any) -> int:
     return 1 if layout is None else layout.components(batch, device).shape[0] // batch
 
 
+def step_pair(setup: Setup, bnn: Any, *, base_lr: float,
+              compiled: bool) -> tuple[int, int, Any, Any]:
+    """``(examples, rows per example, plain step, library step)`` on the same number of rows."""
+    tiling = rows_per_example(bnn, setup.batch, setup.device)
+    rows = max(1, setup.batch // tiling)
+    opt = build_optimizer(bnn, lr=1e-3, base_lr=base_lr, optimizer="sgd", momentum=0.9,
+                          weight_decay=0.0, base_weight_decay=0.0)
+    state = TrainState(bnn=bnn, optimizer=opt, base_lrs=[g["lr"] for g in opt.param_groups],
+                       schedules=["constant"] * len(opt.param_groups), epochs=1,
+                       steps_per_epoch=1000, n_train=N_TRAIN, kl_anneal_epochs=0.0,
+                       beta_max=1.0, amp=setup.amp)
+    state.family.begin(state)  # SWAG: snapshot period
+    state.steps_per_epoch = 0
+    forward = TrainForward(bnn, torch.Generator(device=setup.device).manual_seed(0),
+                           state.family)
+    state.forward = torch.compile(forward) if compiled else forward
+    batch = Batch((setup.x[:rows],), {}, setup.y[:rows])
+    plain = setup.plain_step(compiled)
+    bnn.train()
+
+    def step() -> None:
+        state.step = 0
+        train_step(state, batch)
+
+    return rows, tiling, (lambda: plain(rows * tiling)), step
+
+
 def family_row(setup: Setup, model_name: str, method: str, *, base_lr: float, compiled: bool,
                members: int, reps: int) -> dict[str, Any]:
     bnn = bayesify.bayesify(copy.deepcopy(setup.model), method).to(setup.device)
@@ -112,28 +139,8 @@ def family_row(setup: Setup, model_name: str, method: str, *, base_lr: float, co
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     if bnn.method.step().optimizes:
-        tiling = rows_per_example(bnn, setup.batch, setup.device)
-        rows = max(1, setup.batch // tiling)
-        opt = build_optimizer(bnn, lr=1e-3, base_lr=base_lr, optimizer="sgd", momentum=0.9,
-                              weight_decay=0.0, base_weight_decay=0.0)
-        state = TrainState(bnn=bnn, optimizer=opt, base_lrs=[g["lr"] for g in opt.param_groups],
-                           schedules=["constant"] * len(opt.param_groups), epochs=1,
-                           steps_per_epoch=1000, n_train=N_TRAIN, kl_anneal_epochs=0.0,
-                           beta_max=1.0, amp=setup.amp)
-        state.family.begin(state)  # SWAG: snapshot period
-        state.steps_per_epoch = 0
-        forward = TrainForward(bnn, torch.Generator(device=setup.device).manual_seed(0),
-                               state.family)
-        state.forward = torch.compile(forward) if compiled else forward
-        batch = Batch((setup.x[:rows],), {}, setup.y[:rows])
-        plain = setup.plain_step(compiled)
-        bnn.train()
-
-        def step() -> None:
-            state.step = 0
-            train_step(state, batch)
-
-        t_plain, t_step = interleaved([lambda: plain(rows * tiling), step], reps, setup.sync)
+        rows, tiling, plain, step = step_pair(setup, bnn, base_lr=base_lr, compiled=compiled)
+        t_plain, t_step = interleaved([plain, step], reps, setup.sync)
         row.update(rows=rows * tiling, plain_step_s=t_plain, step_s=t_step,
                    step_ratio=t_step / t_plain, images_per_s=rows * tiling / t_step)
     else:
@@ -186,6 +193,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--tiny", action="store_true", help="tiny models at 32 px (smoke run)")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        choices=["frozen-eager", "trainable-eager", "frozen-compile",
+                                 "trainable-compile"],
+                        help="only these variants (default: all; --no-compile drops the "
+                             "compiled ones)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -201,6 +213,10 @@ def main(argv: list[str] | None = None) -> None:
                 curvature = not bayesify.get_method_class(method)(
                     bayesify.get_method_class(method).config_cls()).step().optimizes
                 for base_lr in ((0.0,) if curvature else (0.0, 1e-4)):
+                    variant = (f"{'trainable' if base_lr else 'frozen'}-"
+                               f"{'compile' if compiled else 'eager'}")
+                    if args.variants and variant not in args.variants:
+                        continue
                     start = time.perf_counter()
                     try:
                         row = family_row(setup, model_name, method, base_lr=base_lr,
@@ -213,13 +229,21 @@ def main(argv: list[str] | None = None) -> None:
                     row["seconds"] = time.perf_counter() - start
                     rows.append(row)
                     print(json.dumps(row, default=float), flush=True)
+                    write(args, device, rows)  # after every row: a run cut short keeps its rows
+    write(args, device, rows)
+    print(markdown(rows))
+
+
+def write(args: argparse.Namespace, device: torch.device, rows: list[dict[str, Any]]) -> None:
     device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                    else platform.processor() or platform.machine())
     out = {"device": device_name, "torch": torch.__version__, "batch": args.batch,
            "reps": args.reps, "tiny": args.tiny, "rows": rows}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2, default=float))
-    print(markdown(rows))
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(out, indent=2, default=float))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":
