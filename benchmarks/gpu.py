@@ -39,6 +39,7 @@ from overhead import interleaved
 import bayesify
 from bayesify.core.batch import Batch
 from bayesify.train.context import TrainState
+from bayesify.train.distributed import DistContext
 from bayesify.train.steps import TrainForward, build_optimizer, train_step
 
 N_TRAIN = 1_281_167  # ImageNet-1k: the KL weight of a real run
@@ -113,7 +114,7 @@ def step_pair(setup: Setup, bnn: Any, *, base_lr: float,
     state = TrainState(bnn=bnn, optimizer=opt, base_lrs=[g["lr"] for g in opt.param_groups],
                        schedules=["constant"] * len(opt.param_groups), epochs=1,
                        steps_per_epoch=1000, n_train=N_TRAIN, kl_anneal_epochs=0.0,
-                       beta_max=1.0, amp=setup.amp)
+                       beta_max=1.0, amp=setup.amp, ctx=DistContext(device=setup.device))
     state.family.begin(state)  # SWAG: snapshot period
     state.steps_per_epoch = 0
     forward = TrainForward(bnn, torch.Generator(device=setup.device).manual_seed(0),

@@ -195,9 +195,13 @@ def export_program(module: nn.Module, example_input: Any,
     try:
         with torch.no_grad():
             args, kwargs = layout.call_inputs(example)
-            program = torch.export.export(named, args, kwargs=kwargs,
-                                          dynamic_shapes=dynamic_shapes(layout, example),
-                                          strict=False)
+            # cuDNN's BatchNorm path guards the batch size (batch ≤ 65535 / C-ish on CUDA),
+            # which a dynamic batch axis cannot honour: trace without it; the program's
+            # batch_norm still runs on cuDNN when it is executed
+            with torch.backends.cudnn.flags(enabled=False):
+                program = torch.export.export(named, args, kwargs=kwargs,
+                                              dynamic_shapes=dynamic_shapes(layout, example),
+                                              strict=False)
     except BayesifyError:
         raise
     except Exception as err:  # torch raises many kinds: name the family instead
