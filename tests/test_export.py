@@ -159,3 +159,35 @@ def test_unknown_format_is_refused(digits, digits_export, tmp_path):
     predictor, _, _ = digits_export
     with pytest.raises(BayesifyError, match="unknown export format"):
         predictor.export(tmp_path / "x.tflite", digits.val.tensors[0][:2], format="tflite")
+
+
+def test_eval_batchnorm_traces_as_an_affine_map_with_the_same_predictions(digits, tmp_path):
+    """On CUDA the export traces BatchNorm as x·s + t (ATen's cuDNN size checks become guards a
+    dynamic batch cannot honour); forced on here, on the CPU: same predictions, no batch_norm."""
+    import torchvision
+
+    from bayesify.predict.export import EvalBatchNormAsAffine, export_program
+
+    torch.manual_seed(0)
+    net = torchvision.models.resnet18(num_classes=5).eval()
+    for m in net.modules():  # non-trivial running statistics and affine parameters
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.2, 0.2)
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        plain = net(x)
+        with EvalBatchNormAsAffine():
+            torch.testing.assert_close(net(x), plain, atol=1e-5, rtol=1e-5)
+    predictor = bayesify(net, "ibnn", components=2).predictor(samples_per_component=1, seed=0)
+    module = build_exported_predictor(predictor, x[:2])
+    for affine in (False, True):
+        program = export_program(module, x[:2], batchnorm_as_affine=affine)
+        ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+        assert any("batch_norm" in op for op in ops) != affine, sorted(ops)
+        probs, epistemic = program.module()(x)
+        reference = predictor(x)
+        torch.testing.assert_close(probs, reference.probs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(epistemic, reference.epistemic, atol=1e-5, rtol=0)

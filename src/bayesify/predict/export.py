@@ -21,6 +21,7 @@ buffers, so the exported graph holds only ATen ops and tensors: loading the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -185,20 +186,51 @@ def random_ops(program: torch.export.ExportedProgram) -> list[str]:
     return found
 
 
-def export_program(module: nn.Module, example_input: Any,
-                   *, method: str = "model") -> torch.export.ExportedProgram:
+class EvalBatchNormAsAffine(torch.overrides.TorchFunctionMode):
+    """Within the mode, an eval-mode ``F.batch_norm`` (running statistics, ``training=False``)
+    is computed as ``x · s + t`` with ``s = γ / √(σ² + ε)``, ``t = β − μ·s`` per channel.
+
+    The same function of ``x``; torch.export on CUDA needs it: ATen's batch_norm chooses its
+    cuDNN kernel by ``batch ≤ 65535``-style size checks, which a dynamic batch axis turns
+    into guards the export refuses (``Expected op to be '==', got <= for batch <= …``),
+    cuDNN switched off or not."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.batch_norm:
+            names = ("input", "running_mean", "running_var", "weight", "bias", "training",
+                     "momentum", "eps")
+            bound = dict(zip(names, args), **kwargs)
+            mean, var = bound.get("running_mean"), bound.get("running_var")
+            if not bound.get("training", False) and mean is not None and var is not None:
+                x = bound["input"]
+                scale = torch.rsqrt(var + bound.get("eps", 1e-5))
+                if bound.get("weight") is not None:
+                    scale = scale * bound["weight"]
+                shift = -mean * scale
+                if bound.get("bias") is not None:
+                    shift = shift + bound["bias"]
+                shape = [1, -1] + [1] * (x.dim() - 2)
+                return x * scale.to(x.dtype).view(shape) + shift.to(x.dtype).view(shape)
+        return func(*args, **kwargs)
+
+
+def export_program(module: nn.Module, example_input: Any, *, method: str = "model",
+                   batchnorm_as_affine: bool | None = None) -> torch.export.ExportedProgram:
     """``torch.export`` with dynamic batch (and token) axes; refuses graphs that draw
-    random numbers. The program takes the example's inputs under their names."""
+    random numbers. The program takes the example's inputs under their names.
+
+    ``batchnorm_as_affine`` (default: when the example is on CUDA) traces eval-mode
+    BatchNorm as a per-channel affine map (:class:`EvalBatchNormAsAffine`)."""
     example = widen_example(example_batch(example_input))
     layout = InputLayout.of(example)
     named = named_input_module(module, layout)
+    if batchnorm_as_affine is None:
+        batchnorm_as_affine = any(t.is_cuda for t in layout.tensors(example))
     try:
         with torch.no_grad():
             args, kwargs = layout.call_inputs(example)
-            # cuDNN's BatchNorm path guards the batch size (batch ≤ 65535 / C-ish on CUDA),
-            # which a dynamic batch axis cannot honour: trace without it; the program's
-            # batch_norm still runs on cuDNN when it is executed
-            with torch.backends.cudnn.flags(enabled=False):
+            with EvalBatchNormAsAffine() if batchnorm_as_affine else contextlib.nullcontext():
                 program = torch.export.export(named, args, kwargs=kwargs,
                                               dynamic_shapes=dynamic_shapes(layout, example),
                                               strict=False)
