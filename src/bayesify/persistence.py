@@ -255,9 +255,10 @@ def save_posterior(bnn: BayesianModel, directory: str | os.PathLike, *,
 def unusable_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of floating tensors holding NaN, ±inf or overflowing values
     (:func:`bayesify.core.checks.unusable`)."""
-    from bayesify.core.checks import unusable
+    from bayesify.core.checks import unusable_mask
 
-    return [name for name, t in tensors.items() if unusable(t)]
+    names = list(tensors)
+    return [n for n, bad in zip(names, unusable_mask([tensors[n] for n in names])) if bad]
 
 
 #: a manifest is a few KiB; anything far larger is not one of ours

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bayesify.core.checks import unusable
+from bayesify.core.checks import unusable, unusable_mask
 from bayesify.errors import NonFiniteLossError
 
 if TYPE_CHECKING:
@@ -67,7 +67,9 @@ BLOW_UP = 1e3
 
 def unusable_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of the unusable tensors of ``(name, tensor)`` pairs."""
-    return [name for name, t in named if isinstance(t, torch.Tensor) and unusable(t)]
+    pairs = [(name, t) for name, t in named if isinstance(t, torch.Tensor)]
+    flags = unusable_mask([t for _, t in pairs])
+    return [name for (name, _), bad in zip(pairs, flags) if bad]
 
 
 def guarded_buffers(bnn: BayesianModel) -> list[tuple[str, torch.Tensor]]:
@@ -113,9 +115,10 @@ class StepGuard:
 
     def check(self, params: list[torch.Tensor], names: dict[int, str] | None = None) -> list[str]:
         """Unusable trainable tensors (by name when ``names`` maps ``id → name``) and buffers."""
-        bad = [(names or {}).get(id(p), f"trainable tensor #{i}")
-               for i, p in enumerate(params) if unusable(p)]
-        return bad + [f"buffer {n}" for n, b in self.buffers if unusable(b)]
+        labels = ([(names or {}).get(id(p), f"trainable tensor #{i}") for i, p in enumerate(params)]
+                  + [f"buffer {n}" for n, _ in self.buffers])
+        flags = unusable_mask(list(params) + [b for _, b in self.buffers])
+        return [label for label, bad in zip(labels, flags) if bad]
 
     def blown_up(self, loss: float) -> bool:
         """Whether a finite ``loss`` is a divergence (``BLOW_UP`` × the reference)."""
