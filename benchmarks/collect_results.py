@@ -123,8 +123,8 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
         Part("issue6.md", "ResNet-50 memory of the weight-space families",
              "python benchmarks/overhead_weightspace.py --skip-timing",
              section="## 2. ResNet-50 memory"),
-        Part("issue15.md", "GPU", "python benchmarks/gpu.py --json benchmarks/results/gpu.json",
-             section="**GPU**"),
+        Part("gpu.md", "GPU: every family's step and prediction on an H100",
+             "python benchmarks/gpu.py --json benchmarks/results/gpu.json"),
     ]),
     ("Scale: data parallel", "Throughput and equivalence under torchrun (DDP).", [
         Part("issue3.md", "Data-parallel throughput", "python benchmarks/ddp_scaling.py --json "
@@ -157,8 +157,8 @@ parallel), export, persistence. Every part names the command that regenerates it
 numbers come from (the fragment under `benchmarks/results/` the script wrote). Machines
 here are shared and noisy: compare ratios measured in the same run, not absolute times
 across runs. Unless a part says otherwise the machine is the 2-core CPU sandbox with no
-GPU; no GPU was available to the sessions that produced these numbers, so the GPU parts
-of `overhead.py`, `ddp_scaling.py` and `gpu.py` have not been run yet. This file is
+GPU; one session had an H100 for 30 minutes (the "GPU" part of "Speed and overhead"); the
+GPU parts of `overhead.py` and `ddp_scaling.py` have not been run yet. This file is
 assembled by `python benchmarks/collect_results.py`; edit the fragments, not this file.
 """
 
