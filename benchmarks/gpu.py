@@ -40,7 +40,7 @@ import bayesify
 from bayesify.core.batch import Batch
 from bayesify.train.context import TrainState
 from bayesify.train.distributed import DistContext
-from bayesify.train.steps import TrainForward, build_optimizer, train_step
+from bayesify.train.steps import SeededCompiledForward, TrainForward, build_optimizer, train_step
 
 N_TRAIN = 1_281_167  # ImageNet-1k: the KL weight of a real run
 
@@ -117,9 +117,12 @@ def step_pair(setup: Setup, bnn: Any, *, base_lr: float,
                        beta_max=1.0, amp=setup.amp, ctx=DistContext(device=setup.device))
     state.family.begin(state)  # SWAG: snapshot period
     state.steps_per_epoch = 0
-    forward = TrainForward(bnn, torch.Generator(device=setup.device).manual_seed(0),
-                           state.family)
-    state.forward = torch.compile(forward) if compiled else forward
+    generator = torch.Generator(device=setup.device).manual_seed(0)
+    if compiled:  # as fit compiles: noise from the global RNG, seeded per step
+        state.forward = SeededCompiledForward(
+            torch.compile(TrainForward(bnn, None, state.family)), generator, setup.device)
+    else:
+        state.forward = TrainForward(bnn, generator, state.family)
     batch = Batch((setup.x[:rows],), {}, setup.y[:rows])
     plain = setup.plain_step(compiled)
     bnn.train()

@@ -81,7 +81,13 @@ from bayesify.train.hooks import (
 from bayesify.train.options import validate_fit_options
 from bayesify.train.schedules import parse_schedule
 from bayesify.train.spread_guard import guard_spread
-from bayesify.train.steps import TrainForward, build_optimizer, flush_group, train_step
+from bayesify.train.steps import (
+    SeededCompiledForward,
+    TrainForward,
+    build_optimizer,
+    flush_group,
+    train_step,
+)
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -439,13 +445,17 @@ def _small_batch_lr(state: TrainContext, lr: float, *, n_train: int, optimizer: 
 def _forward(state: TrainContext, *, compile: bool | dict[str, Any],
              find_unused_parameters: bool) -> None:
     """The module the gradient step calls: the step's terms, through DDP and compile."""
-    state.forward = TrainForward(state.bnn, state.noise_generator, state.family)
+    # compiled: the noise comes from the global RNG, seeded per call from the generator
+    # (a Generator object inside the graph breaks it at every wrapped layer)
+    state.forward = TrainForward(state.bnn, None if compile else state.noise_generator,
+                                 state.family)
     if state.ctx.distributed:
         state.ddp = _wrap_ddp(state.forward, state.ctx, sync_buffers=state.bnn.bn_train,
                               find_unused_parameters=find_unused_parameters)
         state.forward = state.ddp
     if compile:
-        state.forward = torch.compile(state.forward, **(compile if isinstance(compile, dict) else {}))
+        compiled = torch.compile(state.forward, **(compile if isinstance(compile, dict) else {}))
+        state.forward = SeededCompiledForward(compiled, state.noise_generator, state.ctx.device)
 
 
 def _wrap_ddp(module: nn.Module, ctx: DistContext, *, sync_buffers: bool,
