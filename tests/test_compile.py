@@ -44,7 +44,7 @@ def test_compiled_fit_equals_the_traced_one(method):
         _close(_run(method, False), compiled)
 
 
-def test_a_compiled_step_is_one_graph_and_keeps_the_global_rng():
+def test_a_compiled_step_is_one_graph_and_repeats():
     """iBNN on a CNN: the compiled training forward is one graph (it was one per wrapped
     layer, then recompiled per layer) and seeded runs repeat."""
     from torch._dynamo.utils import counters
@@ -75,3 +75,28 @@ def test_the_seeded_compiled_forward_leaves_the_global_rng_alone():
     again = SeededCompiledForward(draws, torch.Generator().manual_seed(5), torch.device("cpu"))
     assert torch.equal(a, again((), {}, None)[0])  # same generator state, same draws
     assert not torch.equal(a, forward((), {}, None)[0])  # the next step draws anew
+
+
+def test_a_compiled_fit_resumed_mid_epoch_equals_the_uninterrupted_one(digits, tmp_path):
+    """The compiled step's seeds come from the fit's generator, whose state the checkpoint
+    carries: killed at optimiser step 5 and resumed, the same posterior."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.test_resume import Kill, KillAt, make_bnn, max_diff, state_of
+
+    x, y = digits.train.tensors
+    data = TensorDataset(x[:128], y[:128])
+    options = {"epochs": 2, "lr": 0.1, "seed": 3, "progress": False,
+               "compile": {"backend": "eager"}}
+
+    def run(**extra):
+        bnn = make_bnn()
+        fit(bnn, DataLoader(data, batch_size=32, shuffle=True), **options, **extra)
+        return bnn
+
+    torch._dynamo.reset()
+    full = state_of(run())
+    with pytest.raises(Kill):
+        run(checkpoint_dir=tmp_path, checkpoint_every_steps=3, callbacks=[KillAt(step=5)])
+    resumed = state_of(run(resume=tmp_path))
+    assert max_diff(resumed, full) <= 1e-6
