@@ -179,3 +179,29 @@ def test_prediction_is_one_tiled_forward():
     bnn.model[1].base_layer.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
     bnn.predictor(samples_per_component=5)(torch.randn(8, 12))
     assert calls == [4 * 5 * 8]
+
+
+@pytest.mark.parametrize("entropy_weight", [0.0, 0.5])
+def test_the_model_kl_is_one_computation_and_equals_the_sum_over_layers(entropy_weight):
+    """BayesianModel.kl() concatenates the node-noise layers (NodeNoiseLayer.kl_many): the same
+    value and gradients as summing every layer's own KL."""
+    torch.manual_seed(0)
+    bnn = bayesify(torchvision.models.resnet18(num_classes=10), "ibnn", components=3,
+                   entropy_weight=entropy_weight)
+    layers = list(bnn.bayesian_layers().values())
+    assert len(layers) > 10
+    with torch.no_grad():
+        for layer in layers:
+            layer.mean.add_(0.1 * torch.randn_like(layer.mean))
+            layer.rho.add_(0.3 * torch.randn_like(layer.rho))
+    batched = bnn.kl()
+    grads = torch.autograd.grad(batched, [layers[0].mean, layers[-1].rho])
+    brute = sum(layer.kl() for layer in layers)
+    reference = torch.autograd.grad(brute, [layers[0].mean, layers[-1].rho])
+    torch.testing.assert_close(batched, brute.float(), rtol=1e-5, atol=1e-4)
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    # layers that differ (another prior) are summed one by one, still exactly
+    layers[0].prior_std = 0.5
+    torch.testing.assert_close(bnn.kl(), sum(layer.kl() for layer in layers).float(),
+                               rtol=1e-5, atol=1e-4)

@@ -171,8 +171,14 @@ class BayesianModel(nn.Module):
         """KL(q‖p) of the whole posterior, summed over the injected layers (not divided
         by N_train; 0 for families without a variational term)."""
         total = torch.zeros((), device=self.device)
+        batched: dict[type, list[BayesianLayer]] = {}
         for layer in self.bayesian_layers().values():
-            total = total + layer.kl().to(total.device, torch.float32)
+            if getattr(type(layer), "kl_many", None) is not None:
+                batched.setdefault(type(layer), []).append(layer)
+            else:
+                total = total + layer.kl().to(total.device, torch.float32)
+        for cls, layers in batched.items():  # one computation for every layer of a class
+            total = total + cls.kl_many(layers).to(total.device, torch.float32)
         return total
 
     # -- modes -------------------------------------------------------------------------
