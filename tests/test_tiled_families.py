@@ -264,3 +264,26 @@ def test_identity_on_timm_vit_tiny() -> None:
             assert len(bnn.bayesian_layers()) > 40  # qkv, proj, fc1, fc2 of 12 blocks + patch embed + head
             with bnn.deterministic():
                 torch.testing.assert_close(bnn(x), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["rank1", "batchensemble"])
+def test_the_rank_one_kl_of_the_model_equals_the_sum_over_layers(method):
+    """RankOneLayer.kl_many (one computation over the concatenated factors) = Σ layer.kl()."""
+    import torchvision
+
+    torch.manual_seed(0)
+    bnn = bayesify(torchvision.models.resnet18(num_classes=10), method)
+    layers = list(bnn.bayesian_layers().values())
+    with torch.no_grad():
+        for layer in layers:
+            for p in layer.parameters(recurse=False):
+                p.add_(0.1 * torch.randn_like(p))
+    brute = sum(layer.kl() for layer in layers)
+    torch.testing.assert_close(bnn.kl(), brute.float(), rtol=1e-5, atol=1e-4)
+    if method == "rank1":
+        assert float(brute) > 0
+        grads = torch.autograd.grad(bnn.kl(), [layers[0].r, layers[-1].s_rho])
+        reference = torch.autograd.grad(sum(layer.kl() for layer in layers),
+                                        [layers[0].r, layers[-1].s_rho])
+        for got, want in zip(grads, reference):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

@@ -31,6 +31,15 @@ def _compiling() -> bool:
     return "torch._dynamo" in sys.modules and torch.compiler.is_compiling()
 
 
+def _batched_kl(cls: type) -> bool:
+    """Whether ``cls.kl_many`` computes Σ ``kl`` of its layers: the class that defines
+    ``kl_many`` also defines the ``kl`` in effect (a subclass that overrides ``kl`` alone
+    is summed layer by layer)."""
+    owner_kl = next((c for c in cls.__mro__ if "kl" in vars(c)), None)
+    owner_many = next((c for c in cls.__mro__ if "kl_many" in vars(c)), None)
+    return owner_many is not None and owner_many is owner_kl
+
+
 class BayesianModel(nn.Module):
     """A network with posteriors injected around its target layers.
 
@@ -173,7 +182,7 @@ class BayesianModel(nn.Module):
         total = torch.zeros((), device=self.device)
         batched: dict[type, list[BayesianLayer]] = {}
         for layer in self.bayesian_layers().values():
-            if getattr(type(layer), "kl_many", None) is not None:
+            if _batched_kl(type(layer)):
                 batched.setdefault(type(layer), []).append(layer)
             else:
                 total = total + layer.kl().to(total.device, torch.float32)

@@ -152,11 +152,30 @@ class RankOneLayer(BayesianLayer):
         """
         if not self.stochastic:
             return torch.zeros((), device=self.r.device)
-        total = torch.zeros((), device=self.r.device)
-        for mean, rho in ((self.r, self.r_rho), (self.s, self.s_rho)):
-            var = F.softplus(rho.float()).pow(2)
-            total = total + gaussian_kl(mean.float(), var, self.prior_mean, self.prior_std).sum()
-        return total / self.r.shape[0]
+        return self._kl(torch.cat([self.r, self.s], 1), torch.cat([self.r_rho, self.s_rho], 1))
+
+    def _kl(self, mean: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+        var = F.softplus(rho.float()).pow(2)
+        kl = gaussian_kl(mean.float(), var, self.prior_mean, self.prior_std).sum()
+        return kl / mean.shape[0]
+
+    @staticmethod
+    def kl_many(layers: list[RankOneLayer]) -> torch.Tensor:
+        """Σ :meth:`kl` over ``layers`` as one computation on the concatenated factors (the
+        per-layer KL was ~10 kernels each way per layer). Layers of other K, prior or
+        device, or deterministic ones: one by one."""
+        first = layers[0]
+
+        def key(layer: RankOneLayer) -> tuple:
+            return (layer.stochastic, layer.r.shape[0], layer.prior_mean, layer.prior_std,
+                    layer.r.device)
+
+        if len(layers) == 1 or not first.stochastic or any(key(lay) != key(first)
+                                                           for lay in layers):
+            return torch.stack([layer.kl().float() for layer in layers]).sum()
+        means = [t for layer in layers for t in (layer.r, layer.s)]
+        rhos = [t for layer in layers for t in (layer.r_rho, layer.s_rho)]
+        return first._kl(torch.cat(means, 1), torch.cat(rhos, 1))
 
     def fast_weights(self) -> list[nn.Parameter]:
         """The rank-1 factors (means and stds), as opposed to the biases."""
