@@ -58,6 +58,16 @@ def knob_value(layer: nn.Module) -> torch.Tensor | float:
     return state.get_buffer(name)
 
 
+def times_knob(values: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """``values`` × :func:`knob_value` — ``values`` itself (no kernel, same numbers) when the
+    knob is the training-mode 1: the multiply launched a kernel per layer and step, forward
+    and backward, for nothing (a weight-sized one for mean-field and MNF)."""
+    value = knob_value(layer)
+    if isinstance(value, float) and value == 1.0:
+        return values
+    return values * value
+
+
 def knob_float(layer: nn.Module) -> float:
     """:func:`knob_value` as a Python float (for layers that branch on it)."""
     value = knob_value(layer)

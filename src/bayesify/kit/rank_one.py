@@ -28,7 +28,7 @@ from bayesify.core.layers import (
 )
 from bayesify.errors import BayesifyError
 from bayesify.kit.gaussian import gaussian_kl, inverse_softplus
-from bayesify.kit.knobs import knob_value
+from bayesify.kit.knobs import times_knob
 from bayesify.kit.tiled import TiledMethod
 
 INIT_CHOICES = ("random_sign", "normal", "ones")
@@ -123,9 +123,8 @@ class RankOneLayer(BayesianLayer):
             c_in = r.shape[1]
             # one draw for both factors: the per-member stream is seeded per layer id
             eps = self.context.draw(self.layer_id, rows, (c_in + s.shape[1],), device)
-            scale = knob_value(self)
-            r = r + (F.softplus(self.r_rho) * scale).index_select(0, comp) * eps[:, :c_in]
-            s = s + (F.softplus(self.s_rho) * scale).index_select(0, comp) * eps[:, c_in:]
+            r = r + times_knob(F.softplus(self.r_rho), self).index_select(0, comp) * eps[:, :c_in]
+            s = s + times_knob(F.softplus(self.s_rho), self).index_select(0, comp) * eps[:, c_in:]
         return r, s, comp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

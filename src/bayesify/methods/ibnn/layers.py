@@ -17,7 +17,7 @@ from torch import nn
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
 from bayesify.kit.gaussian import gaussian_kl, inverse_softplus
-from bayesify.kit.knobs import knob_value
+from bayesify.kit.knobs import times_knob
 from bayesify.methods.ibnn.config import IBNNConfig
 
 
@@ -59,7 +59,7 @@ class NodeNoiseLayer(BayesianLayer):
         if self.context.deterministic:
             return mean
         eps = self.context.draw(self.layer_id, rows, (mean.shape[1],), device)
-        return mean + (self.std * knob_value(self)).index_select(0, comp) * eps
+        return mean + times_knob(self.std, self).index_select(0, comp) * eps
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         z = self.sample_noise(x.shape[0], x.device)

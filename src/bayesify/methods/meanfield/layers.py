@@ -23,7 +23,7 @@ from torch import nn
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis
 from bayesify.kit.gaussian import inverse_softplus
-from bayesify.kit.knobs import knob_value
+from bayesify.kit.knobs import times_knob
 from bayesify.kit.priors import WeightPrior
 from bayesify.kit.weightspace import (
     apply_layer,
@@ -71,11 +71,11 @@ class MeanFieldLayer(BayesianLayer):
     def weight_std(self) -> torch.Tensor:
         """σ of the weights: softplus(ρ), times the validation-tuned
         ``meanfield_std_scale`` at prediction (1 in training and in the KL)."""
-        return F.softplus(self.weight_rho) * knob_value(self)
+        return times_knob(F.softplus(self.weight_rho), self)
 
     @property
     def bias_std(self) -> torch.Tensor | None:
-        return None if self.bias_rho is None else F.softplus(self.bias_rho) * knob_value(self)
+        return None if self.bias_rho is None else times_knob(F.softplus(self.bias_rho), self)
 
     def _fixed_bias(self) -> torch.Tensor | None:
         """The base bias when it carries no posterior (``bias=False``), else None."""

@@ -35,7 +35,7 @@ from torch import nn
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
 from bayesify.kit.gaussian import gaussian_kl, inverse_softplus
-from bayesify.kit.knobs import knob_value
+from bayesify.kit.knobs import times_knob
 from bayesify.kit.weightspace import apply_layer
 from bayesify.methods.mnf.bound import InverseModel, node_prior_kl, node_view
 from bayesify.methods.mnf.config import MNFConfig
@@ -112,7 +112,7 @@ class MNFLayer(BayesianLayer):
             if self.context.deterministic:
                 return self.flow(self.z_mean.unsqueeze(0))[0].expand(rows, -1)
             eps = self.context.draw(self.layer_id, rows, (self.z_mean.shape[0],), device)
-            z0 = self.z_mean + self.z_std * knob_value(self) * eps
+            z0 = self.z_mean + times_knob(self.z_std, self) * eps
             return self.flow(z0)[0]
 
     # -- forward -------------------------------------------------------------------------
@@ -121,7 +121,7 @@ class MNFLayer(BayesianLayer):
         mean = self.base_layer(x * broadcast_rows(z, x, self.axis).to(x.dtype))
         if self.weight_rho is None or self.context.deterministic:
             return mean
-        sigma = self.weight_sigma * knob_value(self)
+        sigma = times_knob(self.weight_sigma, self)
         var = apply_layer(self.base_layer, x * x, sigma.pow(2).to(x.dtype), None)
         eps = self.context.draw(self.noise_id, x.shape[0], tuple(mean.shape[1:]), x.device)
         return mean + torch.sqrt(var + _VAR_EPS) * eps.to(x.dtype)
