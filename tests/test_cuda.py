@@ -96,12 +96,20 @@ WORKER = textwrap.dedent("""
 """)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_nccl_at_world_size_one_equals_one_process(data, tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
-                           "--master_port=29533", str(script), str(tmp_path / "out.json")],
+                           f"--master_port={_free_port()}", str(script), str(tmp_path / "out.json")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
