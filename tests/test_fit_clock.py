@@ -93,9 +93,10 @@ def test_validation_between_epochs_only_while_cheap():
 
 
 def test_a_cheap_validation_runs_every_epoch():
+    """Sets without a length: the schedule falls back to measured seconds."""
     clock = FitClock.__new__(FitClock)
     clock.val_every, clock.train_seconds, clock.val_seconds = None, 0.0, 0.0
-    clock.val_estimate = 1.0
+    clock.val_estimate, clock.per_epoch_allowance = 1.0, None
 
     class Ctx:
         distributed = False
@@ -107,6 +108,37 @@ def test_a_cheap_validation_runs_every_epoch():
     clock.validated(4.0)
     assert not clock.should_validate({"seconds": 1.0}, epoch=2, is_last=False)  # 9 > 5.25
     assert clock.should_validate({"seconds": 1.0}, epoch=3, is_last=True)
+
+
+def test_validated_epochs_are_counted_not_timed(monkeypatch):
+    """Which epochs are validated follows from the counted work (N_train × rows × 3 per epoch
+    against N_val × members per validation), not from seconds: with every validation made to
+    look 1,000× dearer the same epochs are validated and the fit ends at the same posterior."""
+    from bayesify.train.clock import FitClock as Clock
+
+    def run():
+        bnn = bayesify(net(), "ibnn", components=2, predict_samples=1)
+        result = fit(bnn, loader(64), val_loader=loader(200, seed=1), epochs=8, progress=False,
+                     seed=0)
+        return ["val_nll" in h for h in result.history], bnn.posterior_tensors()
+
+    schedule, posterior = run()
+    # an epoch is 64 examples × 2 rows × 3 = 384 forward passes, a validation 200 × 2
+    # members = 400: 25 % of an epoch is 0.24 validations, one is due after epoch 5
+    assert schedule == [False, False, False, False, True, False, False, True]
+    validated = Clock.validated
+    monkeypatch.setattr(Clock, "validated", lambda self, seconds: validated(self, 1000 * seconds))
+    dear, posterior_dear = run()
+    assert dear == schedule
+    for name in posterior:
+        assert torch.equal(posterior[name], posterior_dear[name]), name
+
+
+def test_the_counted_allowance_spreads_validations_evenly():
+    clock = FitClock.__new__(FitClock)
+    clock.per_epoch_allowance = 0.3  # one validation per 3⅓ epochs of work
+    assert [clock.counted_validation(e) for e in range(10)] == [
+        False, False, False, True, False, False, True, False, False, True]
 
 
 @pytest.mark.parametrize("val_every", [0, 1.5, True])

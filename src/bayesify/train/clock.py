@@ -13,11 +13,17 @@ per planned validation, plus the validation search (``grid × 2`` passes: clean 
 interleaved shifted copy).
 
 **Validation between epochs** (``fit(val_every=None)``, the default) runs only while it is
-cheap: after an epoch, when the validation time spent so far plus one more validation stays
-within :attr:`FitClock.VALIDATION_SHARE` (25 %) of the training time so far. The last epoch
-is always validated (the knob search and the comparison with the start need it);
-``val_every=N`` validates every N-th epoch whatever it costs. Under ``torchrun`` rank 0
-decides and every rank follows (the validation is a collective).
+cheap: validation may take :attr:`FitClock.VALIDATION_SHARE` (25 %) of the training work, and
+an epoch is validated when that allowance, accumulated over the epochs so far, passes one
+more validation. The work is counted, not timed, whenever both sets have a length:
+a training epoch is ``N_train × rows per example × 3`` forward passes (forward and backward),
+a validation ``N_val × members``. So which epochs are validated — and so which states
+keep-best can fall back to — is the same on every machine, under any load, for every world
+size and after a resume (it was decided on measured seconds, and the same seed ended at
+different posteriors on a loaded and an idle machine). Without lengths it falls back to the
+measured seconds. The last epoch is always validated (the knob search and the comparison
+with the start need it); ``val_every=N`` validates every N-th epoch whatever it costs.
+Under ``torchrun`` rank 0 decides and every rank follows (the validation is a collective).
 """
 
 from __future__ import annotations
@@ -41,8 +47,10 @@ def _minutes(seconds: float) -> str:
 class FitClock:
     """The fit's expected duration and the validation schedule (see the module docstring)."""
 
-    #: share of the training time that validation between epochs may take
+    #: share of the training work that validation between epochs may take
     VALIDATION_SHARE = 0.25
+    #: forward passes one training row costs (its forward and its backward)
+    TRAIN_ROW_FORWARDS = 3
 
     def __init__(self, state: Any, *, start_seconds: float | None, val_every: int | None,
                  samples_per_component: int | None = None) -> None:
@@ -60,6 +68,27 @@ class FitClock:
                              and state.val_loader is not None else None)
         knobs = bnn.method.knobs(bnn) if state.val_loader is not None else []
         self.search_passes = 2 * max(1, sum(len(k.grid) for k in knobs))
+        #: validations per training epoch that the share allows, by counted work (None:
+        #: a set without a length, the schedule falls back to measured seconds)
+        self.per_epoch_allowance = self._allowance(members)
+
+    def _allowance(self, members: int) -> float | None:
+        from bayesify.train.budget import rows_per_example  # same floor (train)
+
+        state = self.state
+        n_train, n_val = _length(getattr(state, "train_loader", None)), _length(state.val_loader)
+        if not n_train or not n_val:
+            return None
+        epoch = n_train * rows_per_example(state.family) * self.TRAIN_ROW_FORWARDS
+        return self.VALIDATION_SHARE * epoch / (n_val * max(members, 1))
+
+    def counted_validation(self, epoch: int) -> bool:
+        """By counted work: whether the allowance accumulated over epochs ``0..epoch`` passes
+        a whole validation more than that of epochs ``0..epoch-1`` (stateless: the same
+        answer after a resume)."""
+        a = self.per_epoch_allowance
+        assert a is not None
+        return math.floor(a * (epoch + 1) + 1e-9) > math.floor(a * epoch + 1e-9)
 
     # -- the expected duration ------------------------------------------------------------
     @property
@@ -108,6 +137,9 @@ class FitClock:
             count = sum(1 for e in range(epochs) if (e + 1) % self.val_every == 0
                         or e + 1 == epochs)
             rule = f"every {self.val_every} epoch(s)"
+        elif self.per_epoch_allowance is not None:  # the last, and earlier ones by the share
+            between = sum(self.counted_validation(e) for e in range(epochs - 1))
+            count, rule = 1 + between, "between epochs while under 25 % of the training work"
         else:  # the last, and earlier ones while under the share of the training time
             between = min(epochs - 1, int(self.VALIDATION_SHARE * training / max(per, 1e-9)))
             count, rule = 1 + between, "between epochs only while under 25 % of the training time"
@@ -124,6 +156,8 @@ class FitClock:
             return True
         if self.val_every is not None:
             return (epoch + 1) % max(self.val_every, 1) == 0
+        if self.per_epoch_allowance is not None:
+            return self.counted_validation(epoch)  # the same on every rank: no broadcast
         estimate = self.val_estimate if self.val_estimate is not None else 0.0
         cheap = self.val_seconds + estimate <= self.VALIDATION_SHARE * self.train_seconds
         ctx = self.state.ctx
@@ -142,4 +176,12 @@ class FitClock:
         return float(broadcast_object(value, ctx)) if ctx.distributed else value
 
     def on_epoch_end(self, state: Any, record: dict[str, Any]) -> None:
+        return None
+
+
+def _length(loader: Any) -> int | None:
+    """Examples in a loader's dataset, or None when it has no length."""
+    try:
+        return len(loader.dataset) if loader is not None else None
+    except TypeError:
         return None
