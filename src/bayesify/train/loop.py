@@ -182,7 +182,8 @@ def fit(
     ``shift_loader``: labelled inputs under the shift you expect; the validation search
     then uses them as its robustness signal instead of the library's perturbations.
     ``val_loader``: validation metrics after the last epoch, after earlier ones while that
-    costs under a quarter of the training time (or every ``val_every`` epochs when given),
+    costs under a quarter of the training work, counted in forward passes, not timed
+    (:mod:`bayesify.train.clock`; or every ``val_every`` epochs when given),
     the best validated state kept when the last is clearly worse than the starting
     network (:mod:`bayesify.train.best`) and, for families
     with a predictive-scale knob, the validation-tuned choice of it at the end (the
