@@ -181,7 +181,8 @@ class FitClock:
 
 def _length(loader: Any) -> int | None:
     """Examples in a loader's dataset, or None when it has no length."""
+    dataset = getattr(loader, "dataset", None)  # lists of batches, custom iterables: none
     try:
-        return len(loader.dataset) if loader is not None else None
-    except TypeError:
+        return len(dataset) if dataset is not None else None
+    except TypeError:  # an IterableDataset
         return None
