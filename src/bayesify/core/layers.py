@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -135,3 +138,19 @@ def broadcast_rows(values: torch.Tensor, x: torch.Tensor, axis: int) -> torch.Te
     if axis == 1:
         return values.view(rows, chans, *([1] * (x.dim() - 2)))
     return values.view(rows, *([1] * (x.dim() - 2)), chans)
+
+
+def concatenated_kl(layers: list[Any], *, key: Callable[[Any], tuple],
+                    parts: Callable[[Any], tuple[list[torch.Tensor], list[torch.Tensor]]],
+                    kl: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Σ ``layer.kl()`` over ``layers`` as one computation, for a KL that is a sum over nodes:
+    ``kl(first, cat(means), cat(rhos))`` with ``parts(layer) = (means, rhos)`` concatenated
+    along the node axis (dim 1), when every layer has the same ``key`` (components, prior,
+    device...); else layer by layer. Per-layer KLs cost ~10 small kernels each way per layer,
+    a large share of a deep network's training step on a GPU."""
+    first = layers[0]
+    if len(layers) == 1 or any(key(layer) != key(first) for layer in layers):
+        return torch.stack([layer.kl().float() for layer in layers]).sum()
+    means = [t for layer in layers for t in parts(layer)[0]]
+    rhos = [t for layer in layers for t in parts(layer)[1]]
+    return kl(first, torch.cat(means, 1), torch.cat(rhos, 1))

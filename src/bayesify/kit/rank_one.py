@@ -23,6 +23,7 @@ from bayesify.core.layers import (
     BayesianLayer,
     broadcast_rows,
     channel_axis,
+    concatenated_kl,
     in_channels,
     out_channels,
 )
@@ -160,21 +161,13 @@ class RankOneLayer(BayesianLayer):
 
     @staticmethod
     def kl_many(layers: list[RankOneLayer]) -> torch.Tensor:
-        """Σ :meth:`kl` over ``layers`` as one computation on the concatenated factors (the
-        per-layer KL was ~10 kernels each way per layer). Layers of other K, prior or
-        device, or deterministic ones: one by one."""
-        first = layers[0]
-
-        def key(layer: RankOneLayer) -> tuple:
-            return (layer.stochastic, layer.r.shape[0], layer.prior_mean, layer.prior_std,
-                    layer.r.device)
-
-        if len(layers) == 1 or not first.stochastic or any(key(lay) != key(first)
-                                                           for lay in layers):
-            return torch.stack([layer.kl().float() for layer in layers]).sum()
-        means = [t for layer in layers for t in (layer.r, layer.s)]
-        rhos = [t for layer in layers for t in (layer.r_rho, layer.s_rho)]
-        return first._kl(torch.cat(means, 1), torch.cat(rhos, 1))
+        """Σ :meth:`kl` over ``layers`` as one computation on the concatenated factors
+        (deterministic layers, or other K, prior or device: one by one)."""
+        if not all(lay.stochastic for lay in layers):
+            return torch.stack([lay.kl().float() for lay in layers]).sum()
+        return concatenated_kl(
+            layers, key=lambda lay: (lay.r.shape[0], lay.prior_mean, lay.prior_std, lay.r.device),
+            parts=lambda lay: ([lay.r, lay.s], [lay.r_rho, lay.s_rho]), kl=RankOneLayer._kl)
 
     def fast_weights(self) -> list[nn.Parameter]:
         """The rank-1 factors (means and stds), as opposed to the biases."""

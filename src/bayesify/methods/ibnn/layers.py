@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from bayesify.core.context import SamplingContext
-from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
+from bayesify.core.layers import (
+    BayesianLayer,
+    broadcast_rows,
+    channel_axis,
+    concatenated_kl,
+    in_channels,
+)
 from bayesify.kit.gaussian import gaussian_kl, inverse_softplus
 from bayesify.kit.knobs import times_knob
 from bayesify.methods.ibnn.config import IBNNConfig
@@ -86,19 +92,11 @@ class NodeNoiseLayer(BayesianLayer):
 
     @staticmethod
     def kl_many(layers: list[NodeNoiseLayer]) -> torch.Tensor:
-        """Σ :meth:`kl` over ``layers`` as one computation on the concatenated nodes (the
-        KL is a sum over nodes): ~10 kernels forward and backward per layer were a third of
-        an iBNN ResNet-50 step's launches. Layers of other K, prior or device: one by one."""
-        first = layers[0]
-
-        def key(layer: NodeNoiseLayer) -> tuple:
-            return (layer.mean.shape[0], layer.prior_mean, layer.prior_std,
-                    layer.entropy_weight, layer.mean.device)
-
-        if len(layers) == 1 or any(key(layer) != key(first) for layer in layers):
-            return torch.stack([layer.kl().float() for layer in layers]).sum()
-        return first._kl(torch.cat([layer.mean for layer in layers], 1),
-                         torch.cat([layer.rho for layer in layers], 1))
+        """Σ :meth:`kl` over ``layers`` as one computation on the concatenated nodes."""
+        return concatenated_kl(
+            layers, key=lambda lay: (lay.mean.shape[0], lay.prior_mean, lay.prior_std,
+                                     lay.entropy_weight, lay.mean.device),
+            parts=lambda lay: ([lay.mean], [lay.rho]), kl=NodeNoiseLayer._kl)
 
     def extra_repr(self) -> str:
         k, c = self.mean.shape
