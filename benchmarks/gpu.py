@@ -76,6 +76,14 @@ class Setup:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp)
 
     def plain_step(self, compiled: bool) -> Any:
+        """The plain fine-tuning step (every weight trainable), built and compiled once per
+        variant and reused by every family's row: a compile costs a minute on a GPU."""
+        cache = self.__dict__.setdefault("_plain_steps", {})
+        if compiled not in cache:
+            cache[compiled] = self._build_plain_step(compiled)
+        return cache[compiled]
+
+    def _build_plain_step(self, compiled: bool) -> Any:
         net = copy.deepcopy(self.model).train()
         opt = torch.optim.SGD(net.parameters(), lr=1e-4, momentum=0.9, nesterov=True)
         forward = torch.compile(net) if compiled else net
