@@ -287,3 +287,32 @@ def test_the_rank_one_kl_of_the_model_equals_the_sum_over_layers(method):
                                         [layers[0].r, layers[-1].s_rho])
         for got, want in zip(grads, reference):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["ibnn", "rank1", "batchensemble", "ensemble"])
+def test_a_tiled_training_step_keeps_channels_last(method):
+    """Tiling the batch kept its memory format: ``Tensor.repeat`` made channels_last inputs
+    NCHW, so every convolution of a channels_last network converted its activations (an H100
+    profile of the iBNN ResNet-50 step: one activation-sized copy per convolution)."""
+    import torchvision
+
+    from bayesify.train.steps import TrainForward
+
+    torch.manual_seed(0)
+    net = torchvision.models.resnet18(num_classes=10).to(memory_format=torch.channels_last)
+    bnn = bayesify(net.eval(), method)
+    bnn.train()
+    formats: list[bool] = []
+    wrapped = [m for m in bnn.bayesian_layers().values()][:3]  # the first convolutions
+
+    def seen(_module, args):
+        if args[0].dim() == 4:
+            formats.append(args[0].is_contiguous(memory_format=torch.channels_last))
+
+    hooks = [m.register_forward_pre_hook(seen) for m in wrapped]
+    x = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    nll, _ = TrainForward(bnn, torch.Generator().manual_seed(0))((x,), {}, torch.arange(4))
+    for hook in hooks:
+        hook.remove()
+    assert formats and all(formats), formats
+    assert torch.isfinite(nll)

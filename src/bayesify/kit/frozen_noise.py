@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.batch import Batch, example_batch
+from bayesify.core.batch import Batch, example_batch, repeat_rows
 from bayesify.core.context import SamplingContext, expand_plan_rows
 from bayesify.core.method import Method, member_components
 from bayesify.core.outputs import logits_of
@@ -110,7 +110,7 @@ def _tile_rows(batch: Batch, reps: int, rows: Any) -> Batch:
 
     def tile(v: Any) -> Any:
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows:
-            return v.repeat(reps, *([1] * (v.dim() - 1)))
+            return repeat_rows(v, reps)
         return v
 
     return Batch(tuple(tile(a) for a in batch.args), {k: tile(v) for k, v in batch.kwargs.items()})
