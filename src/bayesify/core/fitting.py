@@ -51,7 +51,10 @@ class Knob:
     starting network) or ``"min"`` (the lowest clean validation NLL) — chosen jointly with
     the temperature either way; ``initial``: installed by ``fit`` before the first step (``None``:
     left as it is); ``settle``: called once after the chosen value is installed,
-    returning extra record entries (e.g. statistics that depend on the value).
+    returning extra record entries (e.g. statistics that depend on the value); ``sharpens``:
+    the knob spans a GLM (Laplace) spread whose variance grows off the data, so the search
+    may sharpen the predictive (T < 1) for values that need it, whatever the family
+    (:func:`bayesify.train.tuning.search_knobs`; member-wise Laplace heads).
     """
 
     name: str
@@ -62,6 +65,7 @@ class Knob:
     rule: str = "shift"
     initial: float | None = None
     settle: Callable[[], dict[str, Any]] | None = None
+    sharpens: bool = False
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,9 @@ def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, m
 @torch.no_grad()
 def fit_heads(ctx: FitContext) -> dict[str, Any]:
     """One gradient-free pass over this rank's training data (eval mode): per member the
-    KFAC factors ``A_m``, ``G_m`` and N, summed over the ranks; τ starts at 1."""
+    KFAC factors ``A_m``, ``G_m`` and N, summed over the ranks. τ starts at the narrow end of
+    its grid (the heads ≈ the family's own members), so the family's own knobs are searched
+    as without heads, and a fit without validation data keeps the family's predictive."""
     bnn = ctx.bnn
     started = time.perf_counter()
     was_training = bnn.training
@@ -148,7 +150,7 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
     g = ctx.all_reduce_sum(sums[1])
     total = float(ctx.all_reduce_sum(torch.tensor(float(n), dtype=torch.float64, device=a.device)))
     entries = {_A: a, _G: g, _N: torch.tensor(total, dtype=torch.float64),
-               _TAU: torch.ones((), dtype=torch.float64), _FITTED: torch.ones((), dtype=torch.long)}
+               _TAU: torch.tensor(TAU_GRID[1], dtype=torch.float64), _FITTED: torch.ones((), dtype=torch.long)}
     buffers = dict(bnn.state.named_buffers())
     for name, value in entries.items():
         if name in buffers and buffers[name].shape == value.shape:
@@ -170,7 +172,8 @@ def heads_knob(bnn: BayesianModel) -> list[Knob]:
         return []
     return [Knob(name="heads_prior_precision", grid=tuple(log_grid(TAU_GRID)),
                  meaning="prior precision τ of the member-wise Laplace heads; smaller is broader",
-                 set=lambda tau: set_prior_precision(bnn, tau), prefer="smallest", initial=None)]
+                 set=lambda tau: set_prior_precision(bnn, tau), prefer="smallest", initial=None,
+                 sharpens=True)]
 
 
 def _posterior(bnn: BayesianModel) -> tuple[torch.Tensor, ...]:

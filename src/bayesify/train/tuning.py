@@ -298,13 +298,16 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             # against the start is never feasible (a temperature does not move the argmax)
             admissible = (torch.stack(errors).mean(-1)
                           <= start_errors.mean() + ACCURACY_TOLERANCE + 1e-12)
-            # the temperatures considered: from the floor up (temperature_floor); only 1
-            # without the temperature search
-            columns = allowed if temperature else [TEMPERATURES.index(1.0)]
+            # the temperatures considered: from the floor up (temperature_floor; the whole
+            # grid for a knob that spans a GLM spread, Knob.sharpens); only 1 without the
+            # temperature search
+            sharpens = sharpening_allowed(bnn) or (knob is not None and knob.sharpens)
+            columns = ((_at_least(TEMPERATURES[0]) if sharpens else allowed) if temperature
+                       else [TEMPERATURES.index(1.0)])
             clean_t = torch.stack(clean)[:, columns]
             shifted_t = None if shifted[0] is None else torch.stack(shifted)[:, columns]
             admissible = admissible.view(-1, 1).expand(len(values), len(columns))
-            if sharpening_allowed(bnn):
+            if sharpens:
                 admissible = _sharpen_only_if_needed(clean_t, reference, admissible,
                                                      [TEMPERATURES[c] < floor for c in columns])
             if knob is not None and knob.rule == "min":  # the lowest clean NLL, nothing else
