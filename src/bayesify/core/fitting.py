@@ -54,7 +54,11 @@ class Knob:
     returning extra record entries (e.g. statistics that depend on the value); ``sharpens``:
     the knob spans a GLM (Laplace) spread whose variance grows off the data, so the search
     may sharpen the predictive (T < 1) for values that need it, whatever the family
-    (:func:`bayesify.train.tuning.search_knobs`; member-wise Laplace heads).
+    (:func:`bayesify.train.tuning.search_knobs`; member-wise Laplace heads);
+    ``grid_log_probs``: for a knob whose values leave the network's forward unchanged (a
+    GLM prior precision), every grid value's ``[B, C]`` predictive log-probabilities (T = 1)
+    of one input batch from one forward, so the search streams the split once for the whole
+    grid instead of once per value (``None``: ``set`` each value and predict).
     """
 
     name: str
@@ -66,6 +70,7 @@ class Knob:
     initial: float | None = None
     settle: Callable[[], dict[str, Any]] | None = None
     sharpens: bool = False
+    grid_log_probs: Callable[[Any], list[torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from torch import nn
 
 from bayesify.core.extensions import provide
 from bayesify.core.fitting import FitContext, Knob
+from bayesify.core.locks import model_lock
 from bayesify.core.names import base_name
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
@@ -167,13 +168,50 @@ def set_prior_precision(bnn: BayesianModel, tau: float) -> None:
 
 
 def heads_knob(bnn: BayesianModel) -> list[Knob]:
-    """τ of every member's head on a log grid (smallest = broadest), once fitted."""
+    """τ of every member's head on a log grid (smallest = broadest), once fitted; the
+    search scores the whole grid from one member forward per batch (``grid_log_probs``)."""
     if not enabled(bnn) or not fitted(bnn):
         return []
-    return [Knob(name="heads_prior_precision", grid=tuple(log_grid(TAU_GRID)),
+    grid = tuple(log_grid(TAU_GRID))
+    return [Knob(name="heads_prior_precision", grid=grid,
                  meaning="prior precision τ of the member-wise Laplace heads; smaller is broader",
                  set=lambda tau: set_prior_precision(bnn, tau), prefer="smallest", initial=None,
-                 sharpens=True)]
+                 sharpens=True,
+                 grid_log_probs=lambda x: grid_log_probs(bnn, x, grid))]
+
+
+@torch.no_grad()
+def grid_log_probs(bnn: BayesianModel, x: Any, taus: tuple[float, ...]) -> list[torch.Tensor]:
+    """``[B, C]`` log-probabilities of the default predictive (T = 1) at every τ of ``taus``
+    from one member forward: the features and logits do not depend on τ, and the variance's
+    τ-free part ``(Q_Aᵀ ã)²`` is computed once. Equal to setting each τ and predicting."""
+    samples = bnn.posterior_config.default_samples()
+    with model_lock(bnn):
+        feats, logits = member_features(bnn, x, samples_per_component=samples, max_rows=4096,
+                                        seed=HEAD_SEED)
+    eig, q_a, q_g = _posterior(bnn)
+    projected = (feats.to(eig.dtype) @ q_a).square()  # [M, B, D']
+    mean, scale = _member_scale(bnn, logits.double())
+    out = []
+    for tau in taus:
+        var = _variance(projected, eig, q_g, tau)
+        out.append(Prediction(_probits(mean, var * scale).float()).raw_log_probs)
+    return out
+
+
+def _member_scale(bnn: BayesianModel, mean: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The family's member temperature t, where it has one: ``f/t ~ N(f*/t, Σ_f/t²)`` →
+    ``(f*/t, 1/t²)``; else ``(f*, 1)``."""
+    if isinstance(bnn.method, MemberTemperature):
+        t = bnn.state.get_buffer(bnn.method.knob_name).to(mean)
+        return mean / t, 1.0 / t.square()
+    return mean, 1.0
+
+
+def _probits(mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """``[M, B, C]`` every member's probit log-probabilities ``log softmax(f / sqrt(1 + π/8
+    var))`` (the members of the mixture)."""
+    return torch.log_softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1)
 
 
 def _posterior(bnn: BayesianModel) -> tuple[torch.Tensor, ...]:
@@ -193,7 +231,13 @@ def functional_variance(eig: torch.Tensor, q_a: torch.Tensor, q_g: torch.Tensor,
                         feats: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
     """``diag Σ_f [M, B, C]``: ``Σ_f,m = Q_G diag(s) Q_Gᵀ`` with
     ``s_g = Σ_a (Q_Aᵀ ã)_a² / (λ_g λ_a / N + τ)`` per member."""
-    s = (feats @ q_a).square() @ (1.0 / (eig + tau)).transpose(1, 2)  # [M, B, C]
+    return _variance((feats @ q_a).square(), eig, q_g, tau)
+
+
+def _variance(projected: torch.Tensor, eig: torch.Tensor, q_g: torch.Tensor,
+              tau: torch.Tensor | float) -> torch.Tensor:
+    """:func:`functional_variance` from ``(Q_Aᵀ ã)² [M, B, D']`` (the τ-free part)."""
+    s = projected @ (1.0 / (eig + tau)).transpose(1, 2)  # [M, B, C]
     return s @ q_g.square().transpose(1, 2)
 
 
@@ -208,14 +252,9 @@ def heads_predictive(bnn: BayesianModel, x: Any, *, samples_per_component: int, 
             f"laplace_heads were fitted for {eig.shape[0]} members; this prediction has "
             f"{feats.shape[0]} (samples_per_component={samples_per_component}). Predict with "
             "the default samples_per_component")
-    tau = bnn.state.get_buffer(_TAU)
-    var = functional_variance(eig, q_a, q_g, feats.to(eig.dtype), tau)
-    mean = logits.double()
-    if isinstance(bnn.method, MemberTemperature):  # the family's member temperature t:
-        t = bnn.state.get_buffer(bnn.method.knob_name).to(mean)  # f/t ~ N(f*/t, Σ_f/t²)
-        mean, var = mean / t, var / t.square()
-    probit = torch.log_softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1)
-    return Prediction(probit.float())
+    var = functional_variance(eig, q_a, q_g, feats.to(eig.dtype), bnn.state.get_buffer(_TAU))
+    mean, scale = _member_scale(bnn, logits.double())
+    return Prediction(_probits(mean, var * scale).float())
 
 
 def predictive_if_fitted(bnn: BayesianModel, x: Any, **kwargs: Any) -> Prediction | None:

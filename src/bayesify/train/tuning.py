@@ -208,20 +208,38 @@ def candidate_nll(bnn: BayesianModel, batches: Batches, ctx: DistContext,
     the shift loader), of ``bnn``'s default predictor at temperature 1 scaled by every T,
     each with the per-example error as a last row (``[T + 1, ·]``, :func:`_split`)."""
     predictor = bnn.predictor(temperature=1.0)
+    (clean, shifted), = grid_nll(
+        lambda x: [predictor.predict(x).raw_log_probs], batches, ctx, shift, shift_batches)
+    return clean, shifted
 
-    def nll_of(batch: Batch) -> torch.Tensor:
-        log_probs = predictor.predict(batch.model_input()).raw_log_probs  # log p̄, T = 1
-        labels = batch.require_labels("the validation search").to(log_probs.device)
-        return _nll_by_temperature(lambda t: temper(log_probs, t), labels)
 
-    clean, shifted = [], []
+def grid_nll(log_probs_of: Callable[[Any], list[torch.Tensor]], batches: Batches,
+             ctx: DistContext, shift: ShiftSignal | None, shift_batches: Batches | None,
+             ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """:func:`candidate_nll` for V candidates scored from one pass: ``log_probs_of(inputs)``
+    returns every candidate's ``[B, C]`` log p̄ (T = 1) of one batch; per candidate the
+    clean and shifted ``[T + 1, ·]`` scores."""
+    def nll_of(batch: Batch) -> list[torch.Tensor]:
+        labels = batch.require_labels("the validation search")
+        return [_nll_by_temperature(lambda t, lp=lp: temper(lp, t), labels.to(lp.device))
+                for lp in log_probs_of(batch.model_input())]
+
+    clean: list[list[torch.Tensor]] = []
+    shifted: list[list[torch.Tensor]] = []
     for index, batch in enumerate(batches()):
         clean.append(nll_of(batch))
         if shift is not None and shift_batches is None and shift.levels:
             shifted.append(nll_of(interleaved(shift.copies(batch, index))))
     if shift_batches is not None:
         shifted = [nll_of(batch) for batch in shift_batches()]
-    return _gather(clean, ctx), (_gather(shifted, ctx) if shifted or shift_batches else None)
+    values = len(clean[0]) if clean else 1
+    out = []
+    for v in range(values):
+        c = _gather([parts[v] for parts in clean], ctx)
+        s = (_gather([parts[v] for parts in shifted], ctx) if shifted or shift_batches
+             else None)
+        out.append((c, s))
+    return out
 
 
 @torch.no_grad()
@@ -285,15 +303,21 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
         for knob in plan:
             values = [float(v) for v in knob.grid] if knob is not None else [math.nan]
             clean, shifted, errors = [], [], []
-            for value in values:
-                if knob is not None:
-                    knob.set(value)
-                c, s = candidate_nll(bnn, batches, ctx, shift, shift_batches)
+            if knob is not None and knob.grid_log_probs is not None:  # one pass, every value
+                scored = grid_nll(knob.grid_log_probs, batches, ctx, shift, shift_batches)
+                bar.update(len(values))
+            else:
+                scored = []
+                for value in values:
+                    if knob is not None:
+                        knob.set(value)
+                    scored.append(candidate_nll(bnn, batches, ctx, shift, shift_batches))
+                    bar.update(1)
+            for c, s in scored:
                 c, e = _split(c)
                 clean.append(c)
                 errors.append(e)
                 shifted.append(None if s is None else _split(s)[0])
-                bar.update(1)
             # a value that loses more than ACCURACY_TOLERANCE of clean validation accuracy
             # against the start is never feasible (a temperature does not move the argmax)
             admissible = (torch.stack(errors).mean(-1)
