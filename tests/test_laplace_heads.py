@@ -1,6 +1,7 @@
 """Member-wise last-layer Laplace heads (bayesify.kit.laplace_heads, issue 31): the GLM
 variance against a dense brute force, τ → ∞ is the family's own predictive, the mixture of
-probits, fit + search through ``fit(val_loader=...)``, refusals."""
+probits, fit + search through ``fit(val_loader=...)``, exports and saves equal to in-process,
+refusals."""
 
 from __future__ import annotations
 
@@ -119,13 +120,55 @@ def test_off_by_default_and_other_member_counts_refused() -> None:
         bnn.predictive(_data(4)[0], samples_per_component=bnn.posterior_config.default_samples() + 1)
 
 
-def test_export_and_save_refused_with_a_clear_error(tmp_path) -> None:
-    bnn = _fitted(components=2)
-    with pytest.raises(BayesifyError, match="not supported yet"):
-        bnn.predictor().export(tmp_path / "m.pt2", _data(2)[0])
-    with pytest.raises(BayesifyError, match="not supported yet"):
-        bnn.save_posterior(tmp_path / "post")
-    assert not (tmp_path / "post").exists()
+@pytest.mark.parametrize("method", ["ensemble", "ibnn", "batchensemble", "rank1"])
+def test_exported_heads_equal_in_process(method: str, tmp_path) -> None:
+    """pt2 and ONNX exports of the heads' predictive (searched τ and T, sharpened) equal the
+    in-process predictor to 1e-5, and the heads are not the family's own predictive."""
+    from bayesify.predict.exported import run_exported
+
+    pytest.importorskip("onnxruntime")
+    bnn = _fitted(method, val=True)
+    heads.set_prior_precision(bnn, 0.1)  # a broad head: far from the family's own members
+    x, _ = _data(7, 9)
+    predictor = bnn.predictor()
+    want = predictor(x)
+    own = bnn.method.predictive(bnn, x, samples_per_component=bnn.posterior_config.default_samples(),
+                                max_rows=4096, seed=0)
+    assert (want.probs - own.scaled(predictor.temperature).probs).abs().max() > 1e-3
+    for fmt in ("pt2", "onnx"):
+        predictor.export(tmp_path / f"m.{fmt}", x)
+        probs, epistemic = run_exported(tmp_path / f"m.{fmt}", x)
+        torch.testing.assert_close(torch.as_tensor(probs), want.probs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.as_tensor(epistemic), want.epistemic, rtol=0, atol=1e-5)
+
+
+def test_saved_heads_load_exactly_and_refuse_what_does_not_fit(tmp_path) -> None:
+    """save_posterior keeps the fitted heads (KFAC factors, τ); load_posterior on the same
+    base predicts the same; a file whose heads do not fit the classifier is refused."""
+    from safetensors.torch import load_file
+
+    from bayesify import load_posterior
+
+    bnn = _fitted("ibnn", val=True)
+    heads.set_prior_precision(bnn, 0.3)
+    x, _ = _data(6, 8)
+    want = bnn.predictor()(x)
+    bnn.save_posterior(tmp_path / "post")
+    loaded = load_posterior(_net(), tmp_path / "post")
+    assert heads.fitted(loaded) and loaded.state.value(heads._TAU) == pytest.approx(0.3)
+    torch.testing.assert_close(loaded.predictor()(x).probs, want.probs, rtol=0, atol=1e-6)
+    # the same model before its heads were fitted: saved and loaded without them
+    fresh = bayesify(_net(), method="ibnn", laplace_heads=True)
+    fresh.save_posterior(tmp_path / "unfitted")
+    assert not heads.fitted(load_posterior(_net(), tmp_path / "unfitted"))
+    # heads for another classifier width: refused with what does not fit
+    tensors = load_file(tmp_path / "post" / "posterior.safetensors")
+    tensors["bayesify.heads_kron_input"] = torch.zeros(20, 5, 5, dtype=torch.float64)
+    bad = {name: tensors[name] for name in tensors if name != "bayesify.heads_kron_output"}
+    with pytest.raises(BayesifyError, match="incomplete|does not fit"):
+        heads.restore(bayesify(_net(), method="ibnn", laplace_heads=True), bad)
+    with pytest.raises(BayesifyError, match="does not fit this model's classifier"):
+        heads.restore(bayesify(_net(), method="ibnn", laplace_heads=True), tensors)
 
 
 def test_laplace_family_refuses_laplace_heads() -> None:

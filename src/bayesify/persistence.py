@@ -233,8 +233,6 @@ def save_posterior(bnn: BayesianModel, directory: str | os.PathLike, *,
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise BayesifyError(f"{directory} exists and is not a directory")
-    if laplace_heads.enabled(bnn) and laplace_heads.fitted(bnn):
-        raise BayesifyError(laplace_heads.NOT_SAVED + f"; nothing was written to {directory}")
     tensors, buffer_names, base_names = posterior_tensors(bnn)
     bad = unusable_tensors(tensors)
     if bad:
@@ -449,6 +447,7 @@ def _load_posterior(base_model: nn.Module, directory: str | os.PathLike, *, outp
                 raise BayesifyError(f"{tensor_path}: saved base tensor {name!r} does not fit "
                                     "the base model")
             base[name].copy_(tensors[key])
+    laplace_heads.restore(bnn, tensors)  # the heads' entries exist only once fitted
     expected = dict(bnn.named_posterior_parameters())
     expected.update(dict(bnn.named_posterior_buffers()))
     _load_tensors(bnn, expected, {k: v for k, v in tensors.items() if k not in base_names})

@@ -39,7 +39,7 @@ from torch import nn
 from bayesify.core.extensions import provide
 from bayesify.core.fitting import FitContext, Knob
 from bayesify.core.locks import model_lock
-from bayesify.core.names import base_name
+from bayesify.core.names import BASE_LAYER, base_name
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.core.selection import log_grid
@@ -58,12 +58,10 @@ _CACHE = "laplace_heads_posterior"
 TAU_GRID = (1e-4, 1e4, 17)
 #: the predictor's seed the heads are fitted for
 HEAD_SEED = 0
-NOT_EXPORTED = ("exporting a posterior with laplace_heads=True is not supported yet (the "
-                "members' probit GLM heads are not part of Method.export_module); export the "
-                "family without laplace_heads, or predict in-process")
-NOT_SAVED = ("saving a posterior with laplace_heads=True is not supported yet (the heads' "
-             "KFAC factors are added to the state after the fit); predict in-process, or "
-             "save the family without laplace_heads")
+NOT_EXPORTED = ("this family's export cannot carry laplace_heads; predict in-process, or "
+                "export the family without laplace_heads")
+#: the state entries a saved posterior with fitted heads holds (``bayesify.<name>``)
+ENTRIES = (_A, _G, _N, _TAU, _FITTED)
 
 
 def enabled(bnn: BayesianModel) -> bool:
@@ -161,6 +159,37 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
     bnn.runtime.pop(_CACHE, None)
     return {"heads_members": int(a.shape[0]), "heads_n_data": total,
             "heads_seconds": time.perf_counter() - started}
+
+
+def restore(bnn: BayesianModel, tensors: dict[str, torch.Tensor], *,
+            prefix: str = "bayesify.") -> None:
+    """Before a strict load of a saved posterior (or checkpoint): add the heads' state
+    entries that ``tensors`` holds (they are created by :func:`fit_heads`, so a freshly
+    bayesified model lacks them), after checking that they are all there and fit the model:
+    ``A [M, D+1, D+1]``, ``G [M, C, C]`` for the classifier's D inputs and C outputs."""
+    present = [name for name in ENTRIES if prefix + name in tensors]
+    if not present or not enabled(bnn):
+        return  # saved before the heads were fitted (or without heads): a plain load
+    if len(present) != len(ENTRIES):
+        raise BayesifyError(
+            f"the saved laplace_heads state is incomplete: it has {present}, not {list(ENTRIES)}")
+    a, g = tensors[prefix + _A], tensors[prefix + _G]
+    module = classifier_module(bnn)
+    linear = getattr(module, BASE_LAYER, module)
+    inputs, classes = getattr(linear, "in_features", None), getattr(linear, "out_features", None)
+    if (a.dim() != 3 or g.dim() != 3 or a.shape[0] != g.shape[0] or a.shape[1] != a.shape[2]
+            or g.shape[1] != g.shape[2] or (inputs is not None and a.shape[1] != inputs + 1)
+            or (classes is not None and g.shape[1] != classes)
+            or any(tensors[prefix + n].numel() != 1 for n in (_N, _TAU, _FITTED))):
+        raise BayesifyError(
+            f"the saved laplace_heads state does not fit this model's classifier ({inputs} "
+            f"inputs, {classes} classes): A {list(a.shape)}, G {list(g.shape)}")
+    buffers = dict(bnn.state.named_buffers())
+    for name in ENTRIES:
+        value = tensors[prefix + name]
+        if name not in buffers:
+            bnn.state.add(name, torch.zeros_like(value, device=bnn.device))
+    bnn.runtime.pop(_CACHE, None)
 
 
 def set_prior_precision(bnn: BayesianModel, tau: float) -> None:

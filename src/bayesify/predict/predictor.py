@@ -23,6 +23,7 @@ from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
 from bayesify.kit import laplace_heads
+from bayesify.kit.laplace_heads_export import export_heads
 from bayesify.kit.stacked import StackedModels
 from bayesify.predict.serving import (
     check_inputs,
@@ -329,17 +330,21 @@ class EnsemblePredictor(BasePredictor):
         return super().calibrate(val_loader, method=method, **kwargs)
 
     def export_members(self, example: Any) -> torch.nn.Module:
-        """The family's frozen members (``Method.export_module``) in eval mode."""
+        """The family's frozen members (``Method.export_module``) in eval mode; with fitted
+        member-wise Laplace heads their probit members (:mod:`bayesify.kit.laplace_heads_export`)."""
         bnn = self.bnn
-        if laplace_heads.enabled(bnn) and laplace_heads.fitted(bnn):
-            raise BayesifyError(laplace_heads.NOT_EXPORTED)
+        heads = laplace_heads.enabled(bnn) and laplace_heads.fitted(bnn)
+        if heads and self.samples_per_component != bnn.posterior_config.default_samples():
+            raise BayesifyError(
+                f"laplace_heads were fitted for the default {bnn.posterior_config.default_samples()}"
+                f" sample(s) per component; this predictor has {self.samples_per_component}: "
+                "export bnn.predictor() with the default samples_per_component")
         was_training = bnn.training
         bnn.eval()
         try:
-            return bnn.method.export_module(
-                bnn, samples_per_component=self.samples_per_component,
-                seed=self.seed, example_input=example,
-            )
+            build = export_heads if heads else bnn.method.export_module
+            return build(bnn, samples_per_component=self.samples_per_component,
+                         seed=self.seed, example_input=example)
         finally:
             bnn.train(was_training)
 

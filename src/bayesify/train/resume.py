@@ -29,6 +29,7 @@ from torch.utils.data import RandomSampler
 
 from bayesify.atomic_files import directory_lock
 from bayesify.errors import BayesifyError, NonFiniteLossError
+from bayesify.kit import laplace_heads
 from bayesify.train.checkpoint import (
     FORMAT,
     VERSION,
@@ -299,6 +300,7 @@ def restore(state: TrainState, payload: dict[str, Any], run: Run, *, path: str) 
     _load_named(dict(bnn.named_posterior_parameters()), payload["posterior"], "posterior", path)
     trainable = {n: p for n, p in bnn.named_base_parameters() if p.requires_grad}
     _load_named(trainable, payload["base"], "trainable base", path)
+    laplace_heads.restore(bnn, payload["buffers"], prefix="state.")  # a finished run's heads
     _load_named(dict(bnn.named_buffers()), payload["buffers"], "buffer", path)
     try:
         if state.optimizer is not None:

@@ -1,0 +1,106 @@
+"""Export of member-wise Laplace heads (:mod:`bayesify.kit.laplace_heads`).
+
+The family's own export module ``E: x → [M, B, C]`` (frozen noise tables, stacked member
+networks, …) is reused with every copy of the classifier replaced by
+:class:`LogitsAndFeatures`, which returns ``[f, ã]`` — its logits and its input — side by
+side on the last axis. Whatever ``E`` does to route rows to members (tiling, stacking,
+``index_select`` of components) it does to both, so its output ``[M, B, C + D]`` splits into
+the members' logits and the features the in-process heads read with a forward hook on the
+same module. :class:`HeadsMembers` then computes, with the posterior precomputed at the
+chosen τ into buffers (no eigendecomposition in the graph)::
+
+    ã = [φ, 1],  s = (Q_Aᵀ ã)² · 1/(λ_G λ_Aᵀ/N + τ),  diag Σ_f = s · (Q_G²)ᵀ    per member
+    member m: log softmax(f_m/t / sqrt(1 + π/8 · diag Σ_f / t²))
+
+(``t``: the family's member temperature, 1 where it has none) — the members' probit
+log-probabilities, which the exported predictor mixes and tempers exactly as in process.
+The export pipeline's own check compares the file with the in-process predictive.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from bayesify.core.names import base_name
+from bayesify.core.outputs import logits_of
+from bayesify.core.walker import find_classifier
+from bayesify.errors import BayesifyError
+from bayesify.kit import laplace_heads as heads
+from bayesify.kit.knobs import MemberTemperature
+
+if TYPE_CHECKING:
+    from bayesify.core.model import BayesianModel
+
+
+class LogitsAndFeatures(nn.Module):
+    """Stands in for a copy of the classifier: ``a [R, D] → [R, C + D]`` = ``[f(a), a]``."""
+
+    def __init__(self, classifier: nn.Module) -> None:
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, a: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        logits = logits_of(self.classifier(a, *args, **kwargs))
+        return torch.cat([logits, a.to(logits.dtype)], dim=-1)
+
+
+class HeadsMembers(nn.Module):
+    """``x → [M, B, C]``: every member's probit log-probabilities (see the module docstring)."""
+
+    def __init__(self, members: nn.Module, *, num_classes: int, tensors: dict[str, torch.Tensor],
+                 member_temperature: float) -> None:
+        super().__init__()
+        self.members = members
+        self.num_classes = int(num_classes)
+        self.member_temperature = float(member_temperature)
+        for key, value in tensors.items():
+            self.register_buffer(key, value.detach().clone())
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self.members(*args, **kwargs)  # [M, B, C + D]
+        logits, feats = out[..., :self.num_classes], out[..., self.num_classes:]
+        feats = torch.cat([feats, torch.ones_like(feats[..., :1])], dim=-1).to(self.q_a.dtype)
+        s = (feats @ self.q_a).square() @ self.inv_eig.transpose(1, 2)  # [M, B, C]
+        var = s @ self.q_g_sq.transpose(1, 2)
+        t = self.member_temperature
+        mean, var = logits.to(var.dtype) / t, var / (t * t)
+        return torch.log_softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1).float()
+
+
+def export_heads(bnn: BayesianModel, *, samples_per_component: int, seed: int,
+                 example_input: Any) -> nn.Module:
+    """The plain ``x → [M, B, C]`` module of the heads' predictive (see module docstring)."""
+    method = bnn.method
+    temperature = 1.0
+    if isinstance(method, MemberTemperature):  # the family's export must give raw logits
+        temperature = bnn.state.value(method.knob_name)
+        bnn.state.set(method.knob_name, 1.0)
+    try:
+        family = method.export_module(bnn, samples_per_component=samples_per_component,
+                                      seed=seed, example_input=example_input)
+    finally:
+        if isinstance(method, MemberTemperature):
+            bnn.state.set(method.knob_name, temperature)
+    name = base_name(find_classifier(bnn.model) or "")
+    matches = [n for n, _ in family.named_modules()
+               if name and (n == name or n.endswith("." + name))]
+    # the deepest matches: with a classifier named "2" in a Sequential, the stacked
+    # members' container "models.2" matches too, and holds the real copy "models.2.2"
+    copies = [n for n in matches if not any(o.startswith(n + ".") for o in matches)]
+    if not copies:
+        raise BayesifyError(
+            f"laplace_heads: the export module of {method.name!r} holds no copy of the "
+            f"classifier {name!r}, so the heads' features cannot be read; {heads.NOT_EXPORTED}")
+    for qualified in copies:
+        parent_name, _, attr = qualified.rpartition(".")
+        parent = family.get_submodule(parent_name) if parent_name else family
+        setattr(parent, attr, LogitsAndFeatures(getattr(parent, attr)))
+    eig, q_a, q_g = heads._posterior(bnn)
+    tau = bnn.state.get_buffer(heads._TAU).to(eig)
+    tensors = {"q_a": q_a, "inv_eig": 1.0 / (eig + tau), "q_g_sq": q_g.square()}
+    return HeadsMembers(family, num_classes=q_g.shape[-1], tensors=tensors,
+                        member_temperature=temperature).eval()
