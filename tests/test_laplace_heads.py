@@ -176,47 +176,12 @@ def test_laplace_family_refuses_laplace_heads() -> None:
         bayesify(_net(), method="laplace", laplace_heads=True)
 
 
-def test_unsupported_family_is_a_clear_error() -> None:
-    """hypernet's classifier is not a Linear of its features: refused, naming laplace_heads."""
-    bnn = bayesify(_net(), method="hypernet", laplace_heads=True)
-    with pytest.raises(BayesifyError, match="laplace_heads"):
-        fit(bnn, _loader(), epochs=1)
-
-
-def test_the_grid_from_one_forward_equals_setting_each_tau() -> None:
-    """Knob.grid_log_probs (the search's one pass over the grid) against set τ + predict."""
-    bnn = _fitted("ibnn")
-    bnn.eval()
-    x, _ = _data(9, 7)
-    knob, = heads.heads_knob(bnn)
-    assert knob.sharpens and knob.grid_log_probs is not None
-    fast = knob.grid_log_probs(x)
-    predictor = bnn.predictor(temperature=1.0)
-    for tau, got in zip(knob.grid, fast, strict=True):
-        knob.set(tau)
-        torch.testing.assert_close(got, predictor.predict(x).raw_log_probs, rtol=1e-5, atol=1e-6)
-
-
-def test_the_search_may_sharpen_broad_heads() -> None:
-    """The heads' τ is searched over the whole temperature grid (T < 1 included), as
-    Laplace's is: a broad head sharpened back is the point of a GLM spread; the family's own
-    knobs stay at T ≥ the network's floor."""
-    from bayesify.train import tuning
-
-    bnn = _fitted("ensemble", val=True)
-    fitted_t = bnn.state.value("temperature")
-    assert fitted_t in tuning.TEMPERATURES
-    seen: list[list[int]] = []
-    real = tuning._sharpen_only_if_needed
-
-    def spy(clean, reference, admissible, below):
-        seen.append(list(below))
-        return real(clean, reference, admissible, below)
-
-    tuning._sharpen_only_if_needed = spy
-    try:
-        tuning.tune(bnn, _loader(32, 2), progress=False)
-    finally:
-        tuning._sharpen_only_if_needed = real
-    assert len(seen) == 1  # only the heads' knob, not the ensemble's member temperature
-    assert len(seen[0]) == len(tuning.TEMPERATURES)  # every temperature, the lowest included
+@pytest.mark.parametrize("method", ["hypernet", "mnf", "epinet", "swag"])
+def test_unsupported_family_is_refused_before_anything_changes(method: str) -> None:
+    """Families whose members are not a Linear classifier of readable features are refused
+    by bayesify, naming laplace_heads and why, with the caller's model untouched."""
+    net = _net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(BayesifyError, match="laplace_heads=True is not available"):
+        bayesify(net, method=method, laplace_heads=True)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())

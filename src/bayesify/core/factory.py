@@ -57,6 +57,12 @@ def bayesify(
             f"config is a {type(config).__name__}; method {method!r} needs "
             f"{method_cls.config_cls.__name__}"
         )
+    if getattr(config, "laplace_heads", False) and method_cls.laplace_heads_unsupported:
+        raise BayesifyError(
+            f"laplace_heads=True is not available for method {method!r}: its predictive "
+            f"members are not a Linear classifier on features the heads could read "
+            f"({method_cls.laplace_heads_unsupported}). Use it without laplace_heads, or a "
+            "family that has them (ibnn, ensemble, rank1, batchensemble, dropout, abnn, meanfield)")
     family = method_cls(config)
     plan = plan_targets(model, family)  # validates; raises before any change
 

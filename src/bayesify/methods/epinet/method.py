@@ -113,6 +113,9 @@ class EpinetMethod(SpreadKnob, Method):
     epinet evaluations. Knob: ``epinet_scale`` (0 = the base network).
     """
 
+    laplace_heads_unsupported: ClassVar[str] = (
+        "its members share one classifier forward and differ by the epinet added to its logits")
+
     name = "epinet"
     config_cls = EpinetConfig
     knob = KNOB

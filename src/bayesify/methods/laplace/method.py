@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 class LaplaceMethod(Method):
     """Laplace approximation around the pretrained (MAP) weights; post-hoc."""
 
+    laplace_heads_unsupported: ClassVar[str] = (
+        "it is a last-layer Laplace already (structure='kron', targets='last_layer')")
+
     name = "laplace"
     config_cls = LaplaceConfig
     wrappers: ClassVar = {nn.Linear: LaplaceLayer, nn.Conv1d: LaplaceLayer,

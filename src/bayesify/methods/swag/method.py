@@ -42,6 +42,10 @@ _VMAP_OK = "swag_vmap_ok"
 class SWAGMethod(Method):
     """SWA / SWAG-diagonal / SWAG around the pretrained weights (SGD snapshots)."""
 
+    laplace_heads_unsupported: ClassVar[str] = (
+        "its members are weight samples evaluated under torch.func, whose batched features "
+        "cannot be read outside the call")
+
     name = "swag"
     config_cls = SWAGConfig
     wrappers: ClassVar = {
