@@ -282,6 +282,28 @@ def vit_shifts(x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+def cached(train: Callable[..., torch.nn.Module], name: str) -> Callable[..., torch.nn.Module]:
+    """``train`` with its networks kept in ``$BAYESIFY_BENCH_CACHE`` (a directory; unset: no
+    cache) by protocol, seed, member and epochs — training is seeded, so a cached network is
+    the one the call would train (the wide CNN takes ~8 min a network on one thread)."""
+    def build(p: Protocol, seed: int, member: int = 0, epochs: int | None = None) -> torch.nn.Module:
+        kwargs = {} if epochs is None else {"epochs": epochs}
+        where = os.environ.get("BAYESIFY_BENCH_CACHE")
+        if not where:
+            return train(p, seed, member, **kwargs)
+        path = os.path.join(where, f"{name}_s{seed}_m{member}_e{epochs}.pt")
+        if os.path.exists(path):  # tensors only (weights_only): the untrained network + weights
+            model = train(p, seed, member, epochs=0)
+            model.load_state_dict(torch.load(path, weights_only=True))
+            return model.eval()
+        model = train(p, seed, member, **kwargs)
+        os.makedirs(where, exist_ok=True)
+        torch.save(model.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return model
+    return build
+
+
 @dataclass(frozen=True)
 class Spec:
     """One quality protocol: its data, its pretrained network, its shifts."""
@@ -301,16 +323,18 @@ PROTOCOLS = {
     "digits-cnn": Spec("digits-cnn", "noisy digits, classes 0–7, pretrained CNN (BatchNorm), 200 "
                        "fine-tuning images; shifts *unseen* by the library: blur, contrast, "
                        "translate, occlude; *seen*: gaussian, salt-and-pepper, rotation; OOD: "
-                       "digits 8–9 + photo patches", protocol, pretrained, shifts, SEEN, UNSEEN,
+                       "digits 8–9 + photo patches", protocol, cached(pretrained, "digits-cnn"),
+                       shifts, SEEN, UNSEEN,
                        60, 20),
     "digits-vit": Spec("digits-vit", "noisy digits, classes 2–9, pretrained tiny ViT (timm, "
                        "LayerNorm, mean-pooled tokens), 200 fine-tuning images; shifts, all "
                        "*unseen* by the library: pixelate, brightness, elastic, shear, motion "
                        "blur, zoom-out; OOD: digits 0–1 + synthetic strokes (lines, boxes, "
-                       "rings)", vit_protocol, vit_pretrained, vit_shifts, VIT_SEEN, VIT_UNSEEN,
+                       "rings)", vit_protocol, cached(vit_pretrained, "digits-vit"), vit_shifts,
+                       VIT_SEEN, VIT_UNSEEN,
                        100, 40),
     "wide-cnn": Spec("wide-cnn", "protocol 1 (noisy digits 0–7, its shifts and OOD sets) with a "
                      "wide pretrained CNN: DigitsCNN(width=256), 512 features into the head — "
                      "more than the 200 fine-tuning images span, as in real networks",
-                     protocol, wide_pretrained, shifts, SEEN, UNSEEN, 60, 20),
+                     protocol, cached(wide_pretrained, "wide-cnn"), shifts, SEEN, UNSEEN, 60, 20),
 }
