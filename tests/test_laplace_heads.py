@@ -31,10 +31,22 @@ def _loader(n: int = 48, seed: int = 1) -> DataLoader:
     return DataLoader(TensorDataset(*_data(n, seed)), batch_size=16)
 
 
-def _fitted(method: str = "ensemble", val: bool = False, **options) -> object:
+def _fitted(method: str = "ensemble", val: bool = True, **options) -> object:
     bnn = bayesify(_net(), method=method, laplace_heads=True, **options)
     fit(bnn, _loader(), epochs=2, val_loader=_loader(32, 2) if val else None)
     return bnn
+
+
+def test_without_validation_the_heads_are_not_fitted_and_the_family_predicts() -> None:
+    """No val_loader, no search for τ and T: the heads stay unfitted and the predictive is
+    the family's own, exactly (the same fit without laplace_heads)."""
+    bnn = _fitted("ibnn", val=False)
+    assert not heads.fitted(bnn)
+    plain = bayesify(_net(), method="ibnn")
+    fit(plain, _loader(), epochs=2)
+    x, _ = _data(6, 3)
+    torch.testing.assert_close(bnn.predictor()(x).probs, plain.predictor()(x).probs,
+                               rtol=0, atol=0)
 
 
 def test_glm_variance_equals_dense_brute_force() -> None:
@@ -93,6 +105,7 @@ def test_mixture_of_probits_and_broader_off_the_data() -> None:
     variance grows with the distance from the training features."""
     bnn = _fitted(components=3)
     heads.set_prior_precision(bnn, 0.1)
+    bnn.state.set("member_temperature", 1.0)  # the searched one is checked elsewhere
     bnn.eval()
     x, _ = _data(8, 5)
     feats, logits = heads.member_features(bnn, x, samples_per_component=1, max_rows=4096, seed=0)

@@ -29,6 +29,7 @@ prediction with another member count is refused.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,8 @@ from bayesify.kit.knobs import MemberTemperature
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
+
+logger = logging.getLogger(__name__)
 
 #: state entries (added by :func:`fit_heads`)
 _A, _G, _N, _TAU, _FITTED = ("heads_kron_input", "heads_kron_output", "heads_n_data",
@@ -159,6 +162,16 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
     bnn.runtime.pop(_CACHE, None)
     return {"heads_members": int(a.shape[0]), "heads_n_data": total,
             "heads_seconds": time.perf_counter() - started}
+
+
+def skipped(family: str) -> dict[str, Any]:
+    """A fit without validation data leaves the heads unfitted: their τ and the temperature
+    that makes a broad head useful are chosen by the validation search, and without it the
+    predictive is the family's own, exactly (logged, recorded)."""
+    logger.info("%s: laplace_heads not fitted (no val_loader: the heads' τ and the "
+                "temperature are chosen on validation data); the predictive is the family's "
+                "own", family)
+    return {"heads_fitted": False}
 
 
 def restore(bnn: BayesianModel, tensors: dict[str, torch.Tensor], *,

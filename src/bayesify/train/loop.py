@@ -310,7 +310,8 @@ def fit(
                 if is_last:
                     record.update(step.end(state))
                     if laplace_heads.enabled(bnn):  # member-wise Laplace heads (issue 31)
-                        record.update(laplace_heads.fit_heads(state))
+                        record.update(laplace_heads.fit_heads(state) if val_loader is not None
+                                      else laplace_heads.skipped(method.name))
                     if val_loader is not None:
                         knobs = method.knobs(bnn) + laplace_heads.heads_knob(bnn)
                         record.update(state.tune(knobs))
