@@ -50,18 +50,21 @@ def test_without_validation_the_heads_are_not_fitted_and_the_family_predicts() -
 
 
 def test_glm_variance_equals_dense_brute_force() -> None:
-    """diag((I ⊗ ãᵀ) (G ⊗ A / N + τ I)⁻¹ (I ⊗ ã)) per member against the dense inverse."""
-    bnn = _fitted(components=2)
+    """diag((I ⊗ ãᵀ) (G_k ⊗ A_k / N + τ I)⁻¹ (I ⊗ ã)) per member, in its component's factors,
+    against the dense inverse (iBNN: 2 components × 3 samples)."""
+    bnn = _fitted("ibnn", components=2, predict_samples=3)
     x, _ = _data(6, 3)
-    feats, _ = heads.member_features(bnn, x, samples_per_component=1, max_rows=4096, seed=0)
+    feats, _ = heads.member_features(bnn, x, samples_per_component=3, max_rows=4096, seed=0)
     eig, q_a, q_g = heads._posterior(bnn)
     tau = 0.3
     fast = heads.functional_variance(eig, q_a, q_g, feats.double(), tau)
     a, g = bnn.state.get_buffer(heads._A), bnn.state.get_buffer(heads._G)
     n = bnn.state.get_buffer(heads._N)
     c = g.shape[-1]
+    assert a.shape[0] == 2 and fast.shape[0] == 6
     for m in range(feats.shape[0]):
-        sigma = torch.linalg.inv(torch.kron(g[m], a[m]) / n + tau * torch.eye(c * a.shape[-1],
+        k = m // 3
+        sigma = torch.linalg.inv(torch.kron(g[k], a[k]) / n + tau * torch.eye(c * a.shape[-1],
                                                                                 dtype=a.dtype))
         for b in range(feats.shape[1]):
             jac = torch.kron(torch.eye(c, dtype=a.dtype), feats[m, b].double().unsqueeze(0))
@@ -70,17 +73,21 @@ def test_glm_variance_equals_dense_brute_force() -> None:
 
 
 def test_curvature_equals_brute_force_sums() -> None:
-    """A_m = Σ ã ãᵀ and G_m = Σ (diag p − p pᵀ) over the training data, per member."""
-    bnn = _fitted(components=2)
+    """A_k = 1/S Σ_s Σ_n ã ãᵀ and G_k = 1/S Σ_s Σ_n (diag p − p pᵀ) over the training data,
+    per component (iBNN: 2 components × 3 samples)."""
+    bnn = _fitted("ibnn", components=2, predict_samples=3)
     x, _ = _data()
     bnn.eval()
-    feats, logits = heads.member_features(bnn, x, samples_per_component=1, max_rows=4096, seed=0)
+    feats, logits = heads.member_features(bnn, x, samples_per_component=3, max_rows=4096, seed=0)
     p = logits.double().softmax(-1)
-    for m in range(2):
-        torch.testing.assert_close(bnn.state.get_buffer(heads._A)[m],
-                                   feats[m].double().T @ feats[m].double())
-        torch.testing.assert_close(bnn.state.get_buffer(heads._G)[m],
-                                   torch.diag(p[m].sum(0)) - p[m].T @ p[m])
+    for k in range(2):
+        members = range(3 * k, 3 * k + 3)
+        torch.testing.assert_close(
+            bnn.state.get_buffer(heads._A)[k],
+            sum(feats[m].double().T @ feats[m].double() for m in members) / 3)
+        torch.testing.assert_close(
+            bnn.state.get_buffer(heads._G)[k],
+            sum(torch.diag(p[m].sum(0)) - p[m].T @ p[m] for m in members) / 3)
     assert bnn.state.value(heads._N) == 48
 
 
@@ -125,12 +132,16 @@ def test_fit_with_validation_searches_tau() -> None:
     assert torch.isfinite(bnn.predictive(_data(4, 6)[0]).log_probs).all()
 
 
-def test_off_by_default_and_other_member_counts_refused() -> None:
+def test_off_by_default_and_any_samples_per_component_predicts() -> None:
+    """Off unless asked; the heads are per component, so a prediction with more samples per
+    component than the fit used is the same mixture over more members (each in its
+    component's factors)."""
     plain = bayesify(_net(), method="ensemble")
     assert plain.posterior_config.laplace_heads is False
-    bnn = _fitted("ibnn")
-    with pytest.raises(BayesifyError, match="fitted for"):
-        bnn.predictive(_data(4)[0], samples_per_component=bnn.posterior_config.default_samples() + 1)
+    bnn = _fitted("ibnn", components=2, predict_samples=2)
+    x = _data(4)[0]
+    more = bnn.predictive(x, samples_per_component=5)
+    assert more.num_members == 10 and torch.isfinite(more.log_probs).all()
 
 
 @pytest.mark.parametrize("method", ["ensemble", "ibnn", "batchensemble", "rank1"])

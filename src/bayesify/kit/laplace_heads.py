@@ -2,29 +2,30 @@
 (Eschenhagen et al. 2021) on top of any family's members.
 
 Every predictive member m of a family is a fixed network whose classifier is linear in
-its input: ``f_m(x) = W_m φ_m(x) + b_m`` (ensemble copies, iBNN/rank-1 noise, SWAG or
-dropout samples all keep this form). Around each member's head a last-layer Laplace with
-a KFAC GGN, fitted in one gradient-free pass over the training data after the family's
-fit (:func:`fit_heads`)::
+its input: ``f_m(x) = W_m φ_m(x) + b_m`` (ensemble copies, iBNN/rank-1 noise or dropout
+samples all keep this form). Around each posterior component's head a last-layer Laplace
+with a KFAC GGN, fitted in one gradient-free pass over the training data after the
+family's fit (:func:`fit_heads`); component k's curvature is averaged over its S samples
+(members ``k·S … k·S + S − 1``, which share its classifier weights)::
 
-    A_m = Σ_n ã_mn ã_mnᵀ  [D', D'],  ã = [φ, 1];   G_m = Σ_n (diag p_mn − p_mn p_mnᵀ)  [C, C]
-    Σ_m = (G_m ⊗ A_m / N + τ I)⁻¹   over θ_m = vec([W_m | b_m])
+    A_k = 1/S Σ_s Σ_n ã_sn ã_snᵀ  [D', D'],  ã = [φ, 1];   G_k = 1/S Σ_s Σ_n (diag p_sn − p_sn p_snᵀ)
+    Σ_k = (G_k ⊗ A_k / N + τ I)⁻¹   over θ_k = vec([W_k | b_k])
 
-gives the GLM predictive ``f ~ N(f_m(x), Σ_f,m)`` with ``Σ_f,m = (I ⊗ ãᵀ) Σ_m (I ⊗ ã)``,
-whose diagonal grows off the data (features the curvature has not seen). Each member's
-predictive is the probit ``softmax(f_m / sqrt(1 + π/8 · diag Σ_f,m))``; the model's
-predictive the mixture over members (in probability space), with the predictive
-temperature on top (the caller's ``Prediction.scaled``). τ is a :class:`Knob` searched
-jointly with the temperature like every family knob (:func:`heads_knob`).
+gives member m of component k the GLM predictive ``f ~ N(f_m(x), Σ_f,m)`` with
+``Σ_f,m = (I ⊗ ã_mᵀ) Σ_k (I ⊗ ã_m)``, whose diagonal grows off the data (features the
+curvature has not seen). Each member's predictive is the probit
+``softmax(f_m / sqrt(1 + π/8 · diag Σ_f,m))``; the model's predictive the mixture over
+members (in probability space), with the predictive temperature on top (the caller's
+``Prediction.scaled``). τ is a :class:`Knob` searched jointly with the temperature,
+sharpening included (:func:`heads_knob`). Per component, not per member: an iBNN with 4
+components × 5 samples keeps 4 factor pairs, not 20 (on a 2048-feature ResNet-50 head
+that is 134 MB of ``A`` instead of 672 MB), and any number of samples per component can
+be predicted with.
 
 The result is a members :class:`~bayesify.core.prediction.Prediction` whose "member
 logits" are the members' probit log-probabilities: the mixture is exact; the
 decomposition counts the within-member (Laplace) spread as aleatoric and the spread
 between members as epistemic.
-
-Members are the predictor's: ``K × samples_per_component`` fixed networks at ``seed``;
-the heads are fitted for the default predictor (``default_samples()``, seed 0), and a
-prediction with another member count is refused.
 """
 
 from __future__ import annotations
@@ -124,8 +125,9 @@ def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, m
 
 @torch.no_grad()
 def fit_heads(ctx: FitContext) -> dict[str, Any]:
-    """One gradient-free pass over this rank's training data (eval mode): per member the
-    KFAC factors ``A_m``, ``G_m`` and N, summed over the ranks. τ starts at the narrow end of
+    """One gradient-free pass over this rank's training data (eval mode): per component
+    the KFAC factors ``A_k``, ``G_k`` (averaged over its samples) and N, summed over the
+    ranks. τ starts at the narrow end of
     its grid (the heads ≈ the family's own members), so the family's own knobs are searched
     as without heads, and a fit without validation data keeps the family's predictive."""
     bnn = ctx.bnn
@@ -140,8 +142,9 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
             feats, logits = member_features(bnn, batch.model_input(), samples_per_component=samples,
                                             max_rows=1 << 30, seed=HEAD_SEED)
             feats, probs = feats.double(), logits.double().softmax(-1)
-            a = feats.transpose(1, 2) @ feats
-            g = torch.diag_embed(probs.sum(1)) - probs.transpose(1, 2) @ probs
+            a = _per_component(feats.transpose(1, 2) @ feats, samples)
+            g = _per_component(torch.diag_embed(probs.sum(1)) - probs.transpose(1, 2) @ probs,
+                               samples)
             sums = [a, g] if sums is None else [sums[0] + a, sums[1] + g]
             n += feats.shape[1]
     finally:
@@ -160,8 +163,22 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
         else:
             bnn.state.add(name, value.to(bnn.device))
     bnn.runtime.pop(_CACHE, None)
-    return {"heads_members": int(a.shape[0]), "heads_n_data": total,
+    return {"heads_components": int(a.shape[0]), "heads_n_data": total,
             "heads_seconds": time.perf_counter() - started}
+
+
+def unfit(bnn: BayesianModel) -> None:
+    """Mark fitted heads as not fitted (the predictive is the family's own again) before the
+    family's members change: heads fitted on other members are stale."""
+    if fitted(bnn):
+        bnn.state.set(_FITTED, 0)
+        bnn.runtime.pop(_CACHE, None)
+
+
+def _per_component(per_member: torch.Tensor, samples: int) -> torch.Tensor:
+    """``[M, ...]`` → ``[K, ...]``: the mean over each component's S samples (members are
+    component-major, :func:`~bayesify.core.method.member_components`)."""
+    return per_member.reshape(-1, samples, *per_member.shape[1:]).mean(1)
 
 
 def skipped(family: str) -> dict[str, Any]:
@@ -179,7 +196,8 @@ def restore(bnn: BayesianModel, tensors: dict[str, torch.Tensor], *,
     """Before a strict load of a saved posterior (or checkpoint): add the heads' state
     entries that ``tensors`` holds (they are created by :func:`fit_heads`, so a freshly
     bayesified model lacks them), after checking that they are all there and fit the model:
-    ``A [M, D+1, D+1]``, ``G [M, C, C]`` for the classifier's D inputs and C outputs."""
+    ``A [K, D+1, D+1]``, ``G [K, C, C]`` for K components and the classifier's D inputs and
+    C outputs."""
     present = [name for name in ENTRIES if prefix + name in tensors]
     if not present or not enabled(bnn):
         return  # saved before the heads were fitted (or without heads): a plain load
@@ -190,13 +208,15 @@ def restore(bnn: BayesianModel, tensors: dict[str, torch.Tensor], *,
     module = classifier_module(bnn)
     linear = getattr(module, BASE_LAYER, module)
     inputs, classes = getattr(linear, "in_features", None), getattr(linear, "out_features", None)
-    if (a.dim() != 3 or g.dim() != 3 or a.shape[0] != g.shape[0] or a.shape[1] != a.shape[2]
+    if (a.dim() != 3 or g.dim() != 3 or a.shape[0] != g.shape[0]
+            or a.shape[0] != bnn.method.components or a.shape[1] != a.shape[2]
             or g.shape[1] != g.shape[2] or (inputs is not None and a.shape[1] != inputs + 1)
             or (classes is not None and g.shape[1] != classes)
             or any(tensors[prefix + n].numel() != 1 for n in (_N, _TAU, _FITTED))):
         raise BayesifyError(
             f"the saved laplace_heads state does not fit this model's classifier ({inputs} "
-            f"inputs, {classes} classes): A {list(a.shape)}, G {list(g.shape)}")
+            f"inputs, {classes} classes, {bnn.method.components} components): A "
+            f"{list(a.shape)}, G {list(g.shape)}")
     buffers = dict(bnn.state.named_buffers())
     for name in ENTRIES:
         value = tensors[prefix + name]
@@ -232,11 +252,11 @@ def grid_log_probs(bnn: BayesianModel, x: Any, taus: tuple[float, ...]) -> list[
         feats, logits = member_features(bnn, x, samples_per_component=samples, max_rows=4096,
                                         seed=HEAD_SEED)
     eig, q_a, q_g = _posterior(bnn)
-    projected = (feats.to(eig.dtype) @ q_a).square()  # [M, B, D']
+    projected = _projected(feats.to(eig.dtype), q_a)  # [K, S·B, D']
     mean, scale = _member_scale(bnn, logits.double())
     out = []
     for tau in taus:
-        var = _variance(projected, eig, q_g, tau)
+        var = _variance(projected, eig, q_g, tau).reshape(mean.shape)
         out.append(Prediction(_probits(mean, var * scale).float()).raw_log_probs)
     return out
 
@@ -271,15 +291,23 @@ def _posterior(bnn: BayesianModel) -> tuple[torch.Tensor, ...]:
 
 def functional_variance(eig: torch.Tensor, q_a: torch.Tensor, q_g: torch.Tensor,
                         feats: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
-    """``diag Σ_f [M, B, C]``: ``Σ_f,m = Q_G diag(s) Q_Gᵀ`` with
-    ``s_g = Σ_a (Q_Aᵀ ã)_a² / (λ_g λ_a / N + τ)`` per member."""
-    return _variance((feats @ q_a).square(), eig, q_g, tau)
+    """``diag Σ_f [M, B, C]`` of members ``ã [M, B, D']`` (component-major, M = K·S):
+    ``Σ_f,m = Q_G diag(s) Q_Gᵀ`` with ``s_g = Σ_a (Q_Aᵀ ã_m)_a² / (λ_g λ_a / N + τ)`` in the
+    factors of member m's component."""
+    return _variance(_projected(feats, q_a), eig, q_g, tau).reshape(*feats.shape[:2], -1)
+
+
+def _projected(feats: torch.Tensor, q_a: torch.Tensor) -> torch.Tensor:
+    """``(Q_A,kᵀ ã_m)² [K, S·B, D']`` of members ``ã [M, B, D']``, M = K·S (component-major):
+    the τ-free part of the variance."""
+    k, d = q_a.shape[0], feats.shape[-1]
+    return (feats.reshape(k, -1, d) @ q_a).square()
 
 
 def _variance(projected: torch.Tensor, eig: torch.Tensor, q_g: torch.Tensor,
               tau: torch.Tensor | float) -> torch.Tensor:
-    """:func:`functional_variance` from ``(Q_Aᵀ ã)² [M, B, D']`` (the τ-free part)."""
-    s = projected @ (1.0 / (eig + tau)).transpose(1, 2)  # [M, B, C]
+    """``diag Σ_f [K, S·B, C]`` from :func:`_projected`."""
+    s = projected @ (1.0 / (eig + tau)).transpose(1, 2)  # [K, S·B, C]
     return s @ q_g.square().transpose(1, 2)
 
 
@@ -289,11 +317,10 @@ def heads_predictive(bnn: BayesianModel, x: Any, *, samples_per_component: int, 
     feats, logits = member_features(bnn, x, samples_per_component=samples_per_component,
                                     max_rows=max_rows, seed=seed)
     eig, q_a, q_g = _posterior(bnn)
-    if feats.shape[0] != eig.shape[0]:
+    if feats.shape[0] % eig.shape[0]:
         raise BayesifyError(
-            f"laplace_heads were fitted for {eig.shape[0]} members; this prediction has "
-            f"{feats.shape[0]} (samples_per_component={samples_per_component}). Predict with "
-            "the default samples_per_component")
+            f"laplace_heads were fitted for {eig.shape[0]} posterior components; this "
+            f"prediction has {feats.shape[0]} members, not a whole number per component")
     var = functional_variance(eig, q_a, q_g, feats.to(eig.dtype), bnn.state.get_buffer(_TAU))
     mean, scale = _member_scale(bnn, logits.double())
     return Prediction(_probits(mean, var * scale).float())

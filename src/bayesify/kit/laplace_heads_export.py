@@ -9,7 +9,8 @@ the members' logits and the features the in-process heads read with a forward ho
 same module. :class:`HeadsMembers` then computes, with the posterior precomputed at the
 chosen τ into buffers (no eigendecomposition in the graph)::
 
-    ã = [φ, 1],  s = (Q_Aᵀ ã)² · 1/(λ_G λ_Aᵀ/N + τ),  diag Σ_f = s · (Q_G²)ᵀ    per member
+    ã = [φ, 1],  s = (Q_Aᵀ ã)² · 1/(λ_G λ_Aᵀ/N + τ),  diag Σ_f = s · (Q_G²)ᵀ
+    (per member, in the factors of its component)
     member m: log softmax(f_m/t / sqrt(1 + π/8 · diag Σ_f / t²))
 
 (``t``: the family's member temperature, 1 where it has none) — the members' probit
@@ -64,8 +65,9 @@ class HeadsMembers(nn.Module):
         out = self.members(*args, **kwargs)  # [M, B, C + D]
         logits, feats = out[..., :self.num_classes], out[..., self.num_classes:]
         feats = torch.cat([feats, torch.ones_like(feats[..., :1])], dim=-1).to(self.q_a.dtype)
-        s = (feats @ self.q_a).square() @ self.inv_eig.transpose(1, 2)  # [M, B, C]
-        var = s @ self.q_g_sq.transpose(1, 2)
+        k, d = self.q_a.shape[0], feats.shape[-1]  # members component-major: [K, S·B, D']
+        s = (feats.reshape(k, -1, d) @ self.q_a).square() @ self.inv_eig.transpose(1, 2)
+        var = (s @ self.q_g_sq.transpose(1, 2)).reshape(logits.shape)  # [M, B, C]
         t = self.member_temperature
         mean, var = logits.to(var.dtype) / t, var / (t * t)
         return torch.log_softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1).float()

@@ -334,11 +334,6 @@ class EnsemblePredictor(BasePredictor):
         member-wise Laplace heads their probit members (:mod:`bayesify.kit.laplace_heads_export`)."""
         bnn = self.bnn
         heads = laplace_heads.enabled(bnn) and laplace_heads.fitted(bnn)
-        if heads and self.samples_per_component != bnn.posterior_config.default_samples():
-            raise BayesifyError(
-                f"laplace_heads were fitted for the default {bnn.posterior_config.default_samples()}"
-                f" sample(s) per component; this predictor has {self.samples_per_component}: "
-                "export bnn.predictor() with the default samples_per_component")
         was_training = bnn.training
         bnn.eval()
         try:

@@ -309,14 +309,13 @@ def fit(
                 is_last = state.epoch + 1 == state.epochs
                 if is_last:
                     record.update(step.end(state))
-                    if laplace_heads.enabled(bnn):  # member-wise Laplace heads (issue 31)
-                        record.update(laplace_heads.fit_heads(state) if val_loader is not None
-                                      else laplace_heads.skipped(method.name))
                     if val_loader is not None:
-                        knobs = method.knobs(bnn) + laplace_heads.heads_knob(bnn)
-                        record.update(state.tune(knobs))
-                    elif step.optimizes:  # no validation: the spread keeps the accuracy
-                        record.update(guard_spread(state, method.knobs(bnn)))
+                        record.update(_search(state, method))
+                    else:
+                        if laplace_heads.enabled(bnn):
+                            record.update(laplace_heads.skipped(method.name))
+                        if step.optimizes:  # no validation: the spread keeps the accuracy
+                            record.update(guard_spread(state, method.knobs(bnn)))
             if val_loader is not None and clock.should_validate(record, epoch=state.epoch,
                                                                 is_last=is_last):
                 began = time.perf_counter()
@@ -359,10 +358,23 @@ def fit(
         return result
 
 
+def _search(state: TrainContext, method: Any) -> dict[str, Any]:
+    """The validation search of the model's current state: the family's knobs (with the
+    temperature); then, with ``laplace_heads``, the heads fitted on the members as searched
+    (a knob such as iBNN's noise scale changes their features) and their τ with the
+    temperature."""
+    laplace_heads.unfit(state.bnn)  # heads of an earlier state (keep-best) are stale
+    record = state.tune(method.knobs(state.bnn))
+    if laplace_heads.enabled(state.bnn):  # member-wise Laplace heads (issue 31)
+        record.update(laplace_heads.fit_heads(state))
+        record.update(state.tune(laplace_heads.heads_knob(state.bnn)))
+    return record
+
+
 def _search_and_validate(state: TrainContext, method: Any,
                          validate: Callable[..., dict[str, Any]]) -> tuple[dict, dict]:
     """The knob search on the model's current state, then its validation metrics."""
-    search = state.tune(method.knobs(state.bnn) + laplace_heads.heads_knob(state.bnn))
+    search = _search(state, method)
     metrics = validate(desc="validate the kept state")
     return search, {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}
 
