@@ -183,6 +183,23 @@ def test_marglik_and_val_nll_choose_a_prior(problem):
     assert min(abs(math.log10(info["prior_precision"][0]) - k) for k in range(-2, 3)) < 1e-6
 
 
+@pytest.mark.parametrize("link", ["probit", "bridge"])
+@pytest.mark.parametrize("structure", ["kron", "diag", "full"])
+def test_the_search_scores_every_tau_from_one_forward(problem, structure, link):
+    """The τ knob's grid_log_probs (one forward, every τ of the grid) equals setting each τ
+    and predicting, for every last-layer structure and Gaussian link."""
+    net, x, y, loader = problem
+    bnn = bayesify(net, "laplace", structure=structure, link=link, prior_method="val_nll",
+                   val_grid=(0.01, 100.0, 5))
+    fit(bnn, loader, val_loader=DataLoader(TensorDataset(x, y), batch_size=10), progress=False)
+    knob, = bnn.method.knobs(bnn)
+    fast = knob.grid_log_probs(x)
+    predictor = bnn.predictor(temperature=1.0)
+    for tau, got in zip(knob.grid, fast, strict=True):
+        knob.set(tau)
+        torch.testing.assert_close(got, predictor.predict(x).raw_log_probs, rtol=1e-5, atol=1e-6)
+
+
 def test_errors_are_explicit(problem):
     net, _, _, loader = problem
     with pytest.raises(BayesifyError, match="one Linear target"):

@@ -22,6 +22,7 @@ from torch import nn
 from bayesify.core.batch import call_model
 from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Knob, Step
+from bayesify.core.locks import model_lock
 from bayesify.core.method import Method, wrap_targets
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
@@ -81,10 +82,31 @@ class LaplaceMethod(Method):
         cfg: LaplaceConfig = self.config
         if cfg.prior_method not in ("auto", "val_nll") or state.train_loss(bnn) is None:
             return []
-        return [Knob(name="prior_precision", grid=tuple(log_grid(cfg.val_grid)),
+        grid = tuple(log_grid(cfg.val_grid))
+        one_pass = state.last_layer(bnn) and cfg.link != "mc"
+        return [Knob(name="prior_precision", grid=grid,
                      meaning="prior precision τ of the Laplace posterior; smaller is broader",
                      set=lambda tau: state.set_prior_precision(bnn, tau), prefer="smallest",
-                     rule=cfg.val_rule, settle=lambda: state.evidence_record(bnn, cfg))]
+                     rule=cfg.val_rule, settle=lambda: state.evidence_record(bnn, cfg),
+                     grid_log_probs=(lambda x: self._grid_log_probs(bnn, x, grid))
+                     if one_pass else None)]
+
+    @torch.no_grad()
+    def _grid_log_probs(self, bnn: BayesianModel, x: Any,
+                        taus: tuple[float, ...]) -> list[torch.Tensor]:
+        """``[B, C]`` log p̄ (T = 1) of the last-layer GLM predictive at every τ from one
+        forward (the features do not depend on τ): what setting each τ and predicting gives."""
+        with model_lock(bnn):
+            logits, feats = self._last_layer_features(bnn, x)
+        posterior = self.posterior(bnn)
+        out = []
+        for tau in taus:
+            diag, rowsum, total = posterior.functional_variance(
+                feats, torch.as_tensor(tau, dtype=feats.dtype, device=feats.device))
+            out.append(Prediction(mean=logits.float(), variance=diag.float(),
+                                  link=self.config.link, rowsum=rowsum.float(),
+                                  total=total.float()).raw_log_probs)
+        return out
 
     # -- the fitted posterior (views over bnn.state and the layers' buffers) ---------------
     def posterior(self, bnn: BayesianModel) -> Any:
