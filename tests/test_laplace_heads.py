@@ -209,3 +209,11 @@ def test_unsupported_family_is_refused_before_anything_changes(method: str) -> N
     with pytest.raises(BayesifyError, match="laplace_heads=True is not available"):
         bayesify(net, method=method, laplace_heads=True)
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+
+
+def test_the_heads_pass_stops_after_its_example_budget(monkeypatch) -> None:
+    """The curvature pass reads whole batches up to HEADS_EXAMPLES (an ImageNet-sized set is
+    not read once per member), and N counts what it read."""
+    monkeypatch.setattr(heads, "HEADS_EXAMPLES", 20)
+    bnn = _fitted("ensemble")
+    assert bnn.state.value(heads._N) == 32  # two batches of 16 reach 20

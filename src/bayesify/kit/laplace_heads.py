@@ -62,6 +62,11 @@ _CACHE = "laplace_heads_posterior"
 TAU_GRID = (1e-4, 1e4, 17)
 #: the predictor's seed the heads are fitted for
 HEAD_SEED = 0
+#: training examples (over the processes) the heads' curvature is estimated on: KFAC's
+#: factors are averages that settle within thousands of examples, and a pass of every
+#: member over an ImageNet-sized training set would cost as many epochs of inference as
+#: there are members; the scale of the precision (N) is absorbed by the searched τ
+HEADS_EXAMPLES = 10_000
 NOT_EXPORTED = ("this family's export cannot carry laplace_heads; predict in-process, or "
                 "export the family without laplace_heads")
 #: the state entries a saved posterior with fitted heads holds (``bayesify.<name>``)
@@ -125,11 +130,10 @@ def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, m
 
 @torch.no_grad()
 def fit_heads(ctx: FitContext) -> dict[str, Any]:
-    """One gradient-free pass over this rank's training data (eval mode): per component
-    the KFAC factors ``A_k``, ``G_k`` (averaged over its samples) and N, summed over the
-    ranks. τ starts at the narrow end of
-    its grid (the heads ≈ the family's own members), so the family's own knobs are searched
-    as without heads, and a fit without validation data keeps the family's predictive."""
+    """One gradient-free pass over this rank's share of the first :data:`HEADS_EXAMPLES`
+    training examples (whole batches, eval mode): per component the KFAC factors ``A_k``,
+    ``G_k`` (averaged over its samples) and N, summed over the ranks, after the family's
+    own search. τ starts at the narrow end of its grid (the heads ≈ the family's members)."""
     bnn = ctx.bnn
     started = time.perf_counter()
     was_training = bnn.training
@@ -138,7 +142,10 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
     sums: list[torch.Tensor] | None = None
     n = 0
     try:
+        quota = math.ceil(HEADS_EXAMPLES / max(ctx.world_size, 1))
         for batch in ctx.batches():
+            if n >= quota:
+                break
             feats, logits = member_features(bnn, batch.model_input(), samples_per_component=samples,
                                             max_rows=1 << 30, seed=HEAD_SEED)
             feats, probs = feats.double(), logits.double().softmax(-1)
