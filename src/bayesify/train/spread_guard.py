@@ -94,9 +94,9 @@ def _guard_one(state: TrainContext, knob: Knob, rows: list[tuple[Any, torch.Tens
     chosen, mean_acc, spread_acc, total = None, 0.0, 0.0, 0
     try:
         knob.set(0.0)
-        # the mean network: one member is all of it (member-wise Laplace heads are fitted
-        # for the family's member count and predict with it)
-        mean_correct = _correct(bnn, rows, None if laplace_heads.enabled(bnn) else 1)
+        # the mean network: one member is all of it (fitted member-wise Laplace heads
+        # predict with the family's member count; a fit without validation has none)
+        mean_correct = _correct(bnn, rows, None if laplace_heads.fitted(bnn) else 1)
         for scale in GUARD_SCALES:
             knob.set(scale)
             # the mean network's and this candidate's correct counts, summed over the ranks

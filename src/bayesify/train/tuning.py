@@ -467,11 +467,9 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, batch_fn: BatchFn | None =
         return shard_batches(shift_loader, ctx, device=bnn.device, batch_fn=batch_fn)
 
     if laplace_heads.enabled(bnn) and not laplace_heads.fitted(bnn):
-        warnings.warn(
-            f"{bnn.method_name}: laplace_heads=True, but the heads are fitted by "
-            "bayesify.fit(bnn, train_loader, val_loader=...) (a pass over the training data "
-            "after the family's search); tune searches the family's own knobs only",
-            stacklevel=2)
+        logger.info("%s: laplace_heads are fitted by bayesify.fit(bnn, train_loader, "
+                    "val_loader=...) (a pass over training data after the family's search); "
+                    "tune searches the family's own knobs only", bnn.method_name)
     with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):  # only rank 0 warns
         knobs = bnn.method.knobs(bnn) + laplace_heads.heads_knob(bnn)
         return search_knobs(bnn, knobs, batches, ctx,
