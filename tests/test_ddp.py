@@ -123,10 +123,12 @@ def test_ddp_resume_equals_uninterrupted(ddp_run):
 def test_sharded_validation_equals_single_process_evaluate(ddp_run):
     w = _load_script()
     from bayesify.data.digits import load_digits_splits
+    from bayesify.kit import laplace_heads
 
     info = json.loads((ddp_run / "info_rank0.json").read_text())
     saved = _tensors(ddp_run, "noisy", 0)
     bnn = w.make_bnn(w.base_model())
+    laplace_heads.restore(bnn, saved, prefix="state.")  # the heads fitted with validation
     with torch.no_grad():
         for n, p in bnn.named_posterior_parameters():
             p.copy_(saved[f"posterior.{n}"])

@@ -132,12 +132,17 @@ def test_fit_with_validation_searches_tau() -> None:
     assert torch.isfinite(bnn.predictive(_data(4, 6)[0]).log_probs).all()
 
 
-def test_off_by_default_and_any_samples_per_component_predicts() -> None:
-    """Off unless asked; the heads are per component, so a prediction with more samples per
-    component than the fit used is the same mixture over more members (each in its
-    component's factors)."""
-    plain = bayesify(_net(), method="ensemble")
-    assert plain.posterior_config.laplace_heads is False
+def test_on_by_default_where_they_apply_and_any_samples_per_component_predicts() -> None:
+    """On by default in the families that have them (off in the others, which refuse it);
+    the heads are per component, so a prediction with more samples per component than the
+    fit used is the same mixture over more members (each in its component's factors)."""
+    from bayesify import list_methods
+    from bayesify.core.registry import get_method_class
+
+    for method in list_methods():
+        config = get_method_class(method).config_cls
+        supported = not getattr(get_method_class(method), "laplace_heads_unsupported", "")
+        assert config.from_kwargs(method, {}).laplace_heads is supported, method
     bnn = _fitted("ibnn", components=2, predict_samples=2)
     x = _data(4)[0]
     more = bnn.predictive(x, samples_per_component=5)

@@ -82,13 +82,14 @@ def test_default_dropout_is_post_hoc_and_fit_only_searches():
     ``train_weights=True`` still fine-tunes."""
     import bayesify as bz
 
-    bnn = bz.bayesify(model(), "dropout")
+    # the family alone (its default Laplace heads add their own state: tests/test_laplace_heads.py)
+    bnn = bz.bayesify(model(), "dropout", laplace_heads=False)
     assert not bnn.method.step().optimizes and bnn.method.step().trains_nothing
     before = {k: v.clone() for k, v in bnn.state_dict().items()}
     result = bz.fit(bnn, loader(), val_loader=loader(n=32, seed=1), progress=False)
     changed = {k for k, v in bnn.state_dict().items() if not torch.equal(v, before[k])}
     assert changed <= {"state.dropout_rate_scale", "state.temperature"}
-    twin = bz.bayesify(model(), "dropout")
+    twin = bz.bayesify(model(), "dropout", laplace_heads=False)
     record = bz.tune(twin, loader(n=32, seed=1))
     assert result.last["dropout_rate_scale"] == record["dropout_rate_scale"]
     assert result.last["temperature"] == pytest.approx(record["temperature"])

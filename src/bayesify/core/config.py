@@ -34,6 +34,16 @@ def option(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+#: help of the ``laplace_heads`` option (on by default in the families that have them)
+LAPLACE_HEADS_HELP = (
+    "Member-wise last-layer Laplace heads (bayesify.kit.laplace_heads): with a val_loader, "
+    "after the family's own search fit looks at the first 10,000 training examples once and "
+    "puts a KFAC Laplace around every posterior component's classifier; the predictive is the "
+    "mixture of the members' probit GLM predictives, whose spread grows off the data, with "
+    "the heads' τ and the temperature (sharpening included) chosen on validation. Without a "
+    "val_loader the heads are not fitted (the family's own predictive).")
+
+
 @dataclass(frozen=True)
 class MethodConfig:
     """Fields shared by all methods: which layers receive a posterior."""
@@ -50,12 +60,7 @@ class MethodConfig:
     exclude: tuple[str, ...] = option(
         (), "Never wrap modules whose qualified name matches one of these patterns."
     )
-    laplace_heads: bool = option(
-        False, "Member-wise last-layer Laplace heads (bayesify.kit.laplace_heads): after the "
-        "family's fit, one pass over the training data fits a KFAC Laplace around every "
-        "predictive member's classifier; the predictive is the mixture of the members' probit "
-        "GLM predictives, τ searched with the temperature given a val_loader."
-    )
+    laplace_heads: bool = option(False, LAPLACE_HEADS_HELP)
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude"):

@@ -57,11 +57,14 @@ def bayesify(
             f"config is a {type(config).__name__}; method {method!r} needs "
             f"{method_cls.config_cls.__name__}"
         )
-    if getattr(config, "laplace_heads", False) and method_cls.laplace_heads_unsupported:
+    # a family whose members are not a Linear classifier of readable features declares why
+    # (``laplace_heads_unsupported`` on the class; bayesify.kit.laplace_heads)
+    unsupported = getattr(method_cls, "laplace_heads_unsupported", "")
+    if getattr(config, "laplace_heads", False) and unsupported:
         raise BayesifyError(
             f"laplace_heads=True is not available for method {method!r}: its predictive "
             f"members are not a Linear classifier on features the heads could read "
-            f"({method_cls.laplace_heads_unsupported}). Use it without laplace_heads, or a "
+            f"({unsupported}). Use it without laplace_heads, or a "
             "family that has them (ibnn, ensemble, rank1, batchensemble, dropout, abnn, meanfield)")
     family = method_cls(config)
     plan = plan_targets(model, family)  # validates; raises before any change

@@ -83,9 +83,6 @@ class Method:
     config_cls: ClassVar[type[MethodConfig]] = MethodConfig
     #: explicit type → wrapper table; isinstance match in this order
     wrappers: ClassVar[dict[type[nn.Module], type[BayesianLayer]]] = {}
-    #: why ``laplace_heads=True`` is refused for the family ("" where the heads apply:
-    #: members whose logits are a Linear classifier of features, bayesify.kit.laplace_heads)
-    laplace_heads_unsupported: ClassVar[str] = ""
     config: MethodConfig
 
     def __init__(self, config: MethodConfig) -> None:

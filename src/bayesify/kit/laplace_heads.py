@@ -170,8 +170,11 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
         else:
             bnn.state.add(name, value.to(bnn.device))
     bnn.runtime.pop(_CACHE, None)
+    # the mean over the ranks, so every rank records the same (the history is shared)
+    seconds = ctx.all_reduce_mean(torch.tensor(time.perf_counter() - started,
+                                               dtype=torch.float64, device=a.device))
     return {"heads_components": int(a.shape[0]), "heads_n_data": total,
-            "heads_seconds": time.perf_counter() - started}
+            "heads_seconds": float(seconds)}
 
 
 def unfit(bnn: BayesianModel) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bayesify.core.config import MethodConfig, option, require
+from bayesify.core.config import LAPLACE_HEADS_HELP, MethodConfig, option, require
 
 GRANULARITIES = ("element", "channel")
 
@@ -12,6 +12,10 @@ GRANULARITIES = ("element", "channel")
 @dataclass(frozen=True)
 class DropoutConfig(MethodConfig):
     """MC dropout before every target layer, kept on at prediction (Gal & Ghahramani)."""
+
+    # on by default: the heads' spread grows off the data, which the family's own does not
+    # (benchmarks/RESULTS.md, "Member-wise Laplace heads"; issue 31)
+    laplace_heads: bool = option(True, LAPLACE_HEADS_HELP)
 
     p: float = option(
         0.05, "Dropout rate before every target layer (kept active at prediction). A pretrained "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bayesify.core.config import MethodConfig, option, require
+from bayesify.core.config import LAPLACE_HEADS_HELP, MethodConfig, option, require
 
 HEAD_INITS = ("random", "pretrained")
 
@@ -12,6 +12,10 @@ HEAD_INITS = ("random", "pretrained")
 @dataclass(frozen=True)
 class EnsembleConfig(MethodConfig):
     """Deep ensemble of M weight copies (or a cyclic-LR snapshot ensemble), one tiled module."""
+
+    # on by default: the heads' spread grows off the data, which the family's own does not
+    # (benchmarks/RESULTS.md, "Member-wise Laplace heads"; issue 31)
+    laplace_heads: bool = option(True, LAPLACE_HEADS_HELP)
 
     components: int = option(
         4, "M: ensemble members (weight copies of every target layer); 4 keeps the cost at 4 "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bayesify.core.config import option, require
+from bayesify.core.config import LAPLACE_HEADS_HELP, option, require
 from bayesify.kit.priors import WeightPriorConfig
 
 SAMPLING_MODES = ("local_reparam", "flipout", "weights")
@@ -15,6 +15,10 @@ KL_WEIGHTINGS = ("uniform", "blundell")
 @dataclass(frozen=True)
 class MeanFieldConfig(WeightPriorConfig):
     """Bayes by Backprop: a Gaussian per weight around the pretrained weights (Blundell et al.)."""
+
+    # on by default: the heads' spread grows off the data, which the family's own does not
+    # (benchmarks/RESULTS.md, "Member-wise Laplace heads"; issue 31)
+    laplace_heads: bool = option(True, LAPLACE_HEADS_HELP)
 
     prior: str = option(
         "gaussian",
