@@ -222,3 +222,54 @@ def test_the_heads_pass_stops_after_its_example_budget(monkeypatch) -> None:
     monkeypatch.setattr(heads, "HEADS_EXAMPLES", 20)
     bnn = _fitted("ensemble")
     assert bnn.state.value(heads._N) == 32  # two batches of 16 reach 20
+
+
+
+def test_the_heads_search_keeps_the_clean_nll_the_family_reached() -> None:
+    """``keep``: a search is measured against a reached clean NLL below the start's — a
+    broad candidate the start would allow (better under shift) is refused once it gives back
+    what the family gained; a ``keep`` above the start's changes nothing."""
+    from bayesify.core.fitting import Knob
+    from bayesify.train.data import shard_batches
+    from bayesify.train.distributed import DistContext
+    from bayesify.train.tuning import installed_clean_nll, search_knobs
+
+    bnn = bayesify(_net(), method="ensemble", laplace_heads=False)  # a random start: NLL ≈ 1.1
+    val, ctx = _loader(64, 2), DistContext()
+    x_val, y_val = _data(64, 2)
+    label = {row.numpy().tobytes(): int(y) for row, y in zip(x_val, y_val)}
+
+    def candidates(x: torch.Tensor) -> list[torch.Tensor]:
+        """Narrow: p(label) = 0.8 on the clean split, confidently wrong on shifted inputs;
+        broad: 0.78 clean (0.025 nats more), uniform on shifted inputs."""
+        out = []
+        for p_clean in (0.8, 0.78):
+            rows = []
+            for row in x:
+                y = label.get(row.numpy().tobytes())
+                if y is None:
+                    lp = (torch.full((3,), -math.log(3.0)) if p_clean < 0.8
+                          else torch.tensor([0.0, -1e3, -1e3]))
+                else:
+                    lp = torch.full((3,), math.log((1 - p_clean) / 2))
+                    lp[y] = math.log(p_clean)
+                rows.append(lp)
+            out.append(torch.stack(rows))
+        return out
+
+    knob = Knob("probe", (0.0, 1.0), "narrow → broad", lambda v: None,
+                grid_log_probs=candidates)
+
+    def stream():
+        return shard_batches(val, ctx, device=bnn.device, batch_fn=None)
+
+    own = installed_clean_nll(bnn, stream, ctx)
+    assert own.shape == (64,) and float(own.mean()) > 0.9  # the random start's
+    narrow = torch.full((64,), -math.log(0.8), dtype=torch.float64)
+    free = search_knobs(bnn, [knob], stream, ctx, temperature=False)
+    kept = search_knobs(bnn, [knob], stream, ctx, temperature=False, keep=narrow)
+    above = search_knobs(bnn, [knob], stream, ctx, temperature=False, keep=own + 1.0)
+    assert (free["probe"], kept["probe"], above["probe"]) == (1.0, 0.0, 1.0)
+    assert kept["family_val_nll"] == pytest.approx(-math.log(0.8))
+    assert kept["start_tempered_val_nll"] == pytest.approx(free["start_tempered_val_nll"])
+    assert "family_val_nll" not in free
