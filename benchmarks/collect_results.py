@@ -60,6 +60,12 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session6.md", "Member-wise Laplace heads: the default of seven families, a wide "
+             "network, the heads' reference", "BAYESIFY_BENCH_CACHE=cache python "
+             "benchmarks/quality.py [--protocol digits-vit|wide-cnn] --seeds 0 1 2 --save-seeds "
+             "--methods ibnn ensemble rank1 batchensemble dropout abnn meanfield; python "
+             "benchmarks/which_family.py ...; BAYESIFY_STRESS_TABLE=cells.jsonl pytest -m slow "
+             "tests/test_stress_pretrained.py -k 'True and ibnn'; the text is written by hand"),
         Part("which_family.md", "Which family: every family on two protocols, as ratios",
              "python benchmarks/quality.py --save-seeds (both protocols, families and peers); "
              "python benchmarks/which_family.py; the text is written by hand"),
