@@ -25,7 +25,7 @@ from bayesify.core.fitting import BatchSource, Knob, Step
 from bayesify.train import steps
 from bayesify.train.data import TrainData, epoch_batches, shard_batches
 from bayesify.train.distributed import DistContext, all_reduce_mean, all_reduce_sum
-from bayesify.train.tuning import installed_clean_nll, search_knobs
+from bayesify.train.tuning import installed_scores, search_knobs
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -165,14 +165,15 @@ class TrainContext:
         return shard_batches(self.shift_loader, self.ctx, device=self.bnn.device,
                              batch_fn=self.batch_fn)
 
-    def tune(self, knobs: list[Knob], *, keep: torch.Tensor | None = None) -> dict[str, Any]:
+    def tune(self, knobs: list[Knob], *,
+             keep: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
         return search_knobs(self.bnn, knobs, self.val_batches, self.ctx,
                             shift_batches=self.shift_batches if self.shift_loader is not None
                             else None, progress=self.show_progress and self.is_main, keep=keep)
 
-    def clean_nll(self) -> torch.Tensor:
-        """``[n]`` per-example clean validation NLL of the predictive as it is now."""
-        return installed_clean_nll(self.bnn, self.val_batches, self.ctx)
+    def clean_scores(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n]`` per-example clean validation NLL and error of the predictive as it is now."""
+        return installed_scores(self.bnn, self.val_batches, self.ctx)
 
 
 #: the old name (callbacks and custom loops receive / build it)

@@ -366,7 +366,7 @@ def _search(state: TrainContext, method: Any) -> dict[str, Any]:
     laplace_heads.unfit(state.bnn)  # heads of an earlier state (keep-best) are stale
     record = state.tune(method.knobs(state.bnn))
     if laplace_heads.enabled(state.bnn):  # member-wise Laplace heads (issue 31)
-        own = state.clean_nll()  # what the family reached: the heads keep it
+        own = state.clean_scores()  # what the family reached: the heads keep it
         record.update(laplace_heads.fit_heads(state))
         record.update(state.tune(laplace_heads.heads_knob(state.bnn), keep=own))
     return record
