@@ -92,6 +92,9 @@ def test_readme_trainer_recipe_runs_end_to_end(tmp_path, monkeypatch):
     metrics = scope["metrics"]
     assert 0 < metrics["eval_loss"] < 1.4  # NLL of the predictive, below log(4) = uniform
     assert "ibnn_noise_scale" in trainer.tune_record  # the validation search ran
+    # and the member-wise Laplace heads (iBNN's default) were fitted on the training set
+    assert trainer.tune_record["heads_n_data"] == len(train_set)
+    assert "heads_prior_precision" in trainer.tune_record
     probs = scope["probs"]
     assert probs.shape == (1, 4) and torch.allclose(probs.sum(-1), torch.ones(1), atol=1e-5)
 

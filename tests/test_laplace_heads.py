@@ -291,3 +291,50 @@ def test_the_heads_search_keeps_the_clean_nll_and_the_decisions_the_family_reach
     assert search(flip=True)["probe"] == 1.0
     assert search(flip=True, keep=(own + 1.0, none_wrong))["probe"] == 0.0
     assert search(flip=True, keep=(own + 1.0, one_wrong))["probe"] == 1.0
+
+
+def test_tune_with_a_training_loader_fits_the_heads_as_fit_does() -> None:
+    """After another training loop (``elbo_loss``, the HF ``Trainer``): ``tune(bnn, val,
+    train_loader=train)`` searches the family, fits the heads and searches their τ — the
+    same state as ``fit``'s search; without ``train_loader`` the heads stay unfitted."""
+    from bayesify import tune
+
+    def trained(seed: int = 0):
+        torch.manual_seed(seed)
+        bnn = bayesify(_net(), method="ensemble")
+        fit(bnn, _loader(), epochs=2)  # no validation: nothing searched, no heads
+        assert not heads.fitted(bnn)
+        return bnn
+
+    bnn = trained()
+    record = tune(bnn, _loader(32, 2), progress=False)
+    assert not heads.fitted(bnn) and "heads_prior_precision" not in record
+    by_tune, reference = trained(), trained()
+    record = tune(by_tune, _loader(32, 2), train_loader=_loader(), progress=False)
+    assert heads.fitted(by_tune) and record["heads_n_data"] == 48
+    assert "member_temperature" in record and "heads_prior_precision" in record
+    # fit's own search on an identical posterior: the same choices and the same predictive
+    from bayesify.train.loop import _search
+
+    class _State:  # what _search reads of fit's TrainContext
+        def __init__(self, bnn):
+            from bayesify.train.data import shard_batches
+            from bayesify.train.distributed import DistContext
+            from bayesify.train.tuning import _HeadsPass, installed_scores, search_knobs
+
+            ctx = DistContext()
+            self.bnn, self._val = bnn, lambda: shard_batches(_loader(32, 2), ctx,
+                                                             device=bnn.device, batch_fn=None)
+            self._pass = _HeadsPass(bnn, _loader(), ctx, None)
+            self.tune = lambda knobs, keep=None: search_knobs(bnn, knobs, self._val, ctx,
+                                                              keep=keep)
+            self.clean_scores = lambda: installed_scores(bnn, self._val, ctx)
+            self.batches, self.world_size = self._pass.batches, 1
+            self.all_reduce_sum, self.all_reduce_mean = (self._pass.all_reduce_sum,
+                                                         self._pass.all_reduce_mean)
+
+    expected = _search(_State(reference), reference.method)
+    for key in ("member_temperature", "heads_prior_precision", "temperature"):
+        assert record[key] == expected[key], key
+    x = _data(8, 7)[0]
+    torch.testing.assert_close(by_tune.predictive(x).probs, reference.predictive(x).probs)

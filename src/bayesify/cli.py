@@ -185,8 +185,9 @@ def exit_if_worse(history: list[dict[str, Any]], out: Path, method: str) -> int:
 def _fit_or_tune(bnn: Any, loaders: dict[str, Any], args: argparse.Namespace,
                  fit_kwargs: dict[str, Any], *, log_dir: Path) -> list[dict[str, Any]]:
     """``fit``; a family with nothing to train (post-hoc MC dropout, the default; with
-    ``--train-weights`` it fine-tunes) skips the pass over the training data and only runs
-    the validation search (``bayesify.tune``)."""
+    ``--train-weights`` it fine-tunes) skips the training epochs and only runs the
+    validation search (``bayesify.tune``; with its member-wise Laplace heads, their pass over
+    up to 10,000 training examples first, as ``fit`` does)."""
     from bayesify.train.loop import fit
     from bayesify.train.tuning import tune
 
@@ -196,8 +197,9 @@ def _fit_or_tune(bnn: Any, loaders: dict[str, Any], args: argparse.Namespace,
     if nothing and not args.base_lr:
         if is_main():
             print(f"bayesify: {args.method} has no trainable posterior parameters: no training "
-                  "pass, the validation search only", file=sys.stderr)
-        return [{"epoch": 0, "steps": 0, **tune(bnn, fit_kwargs["val_loader"])}]
+                  "epochs, the validation search only", file=sys.stderr)
+        return [{"epoch": 0, "steps": 0, **tune(bnn, fit_kwargs["val_loader"],
+                                                 train_loader=loaders["train"])}]
     result = fit(bnn, loaders["train"], progress=show_progress(args), base_lr=args.base_lr,
                  optimizer=args.optimizer, log_dir=log_dir, **fit_kwargs)
     return result.history

@@ -132,8 +132,11 @@ class BayesTrainer(transformers.Trainer):
         return output
 
     def tune(self, eval_dataset: Any = None) -> dict[str, Any]:
-        """:func:`bayesify.tune` on ``eval_dataset`` (default: the trainer's); logs the choice."""
-        record = tune(self._bnn, self.get_eval_dataloader(eval_dataset))
+        """:func:`bayesify.tune` on ``eval_dataset`` (default: the trainer's), with the
+        training set for the family's member-wise Laplace heads (``laplace_heads``); logs the
+        choice."""
+        train = self.get_train_dataloader() if self.train_dataset is not None else None
+        record = tune(self._bnn, self.get_eval_dataloader(eval_dataset), train_loader=train)
         self.log({k: v for k, v in record.items() if isinstance(v, (int, float))})
         return record
 

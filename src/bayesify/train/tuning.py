@@ -81,6 +81,8 @@ from bayesify.train.data import shard_batches
 from bayesify.train.distributed import (
     DistContext,
     all_gather_objects,
+    all_reduce_mean,
+    all_reduce_sum,
     broadcast_object,
     current_context,
     naming_unresponsive_ranks,
@@ -476,18 +478,44 @@ def _widen_advice(bnn: BayesianModel) -> str:
             "fits a temperature afterwards")
 
 
-def tune(bnn: BayesianModel, val_loader: Iterable, *, batch_fn: BatchFn | None = None,
-         shift_loader: Iterable | None = None, temperature: bool = True,
-         progress: bool = True) -> dict[str, Any]:
+class _HeadsPass:
+    """What :func:`bayesify.kit.laplace_heads.fit_heads` reads of a ``FitContext``, over a
+    user's training loader (for :func:`tune` after another training loop)."""
+
+    def __init__(self, bnn: BayesianModel, loader: Iterable, ctx: DistContext,
+                 batch_fn: BatchFn | None) -> None:
+        self.bnn, self._loader, self._ctx, self._batch_fn = bnn, loader, ctx, batch_fn
+
+    @property
+    def world_size(self) -> int:
+        return self._ctx.world_size
+
+    def batches(self, fraction: float = 1.0) -> Iterator[Batch]:
+        return shard_batches(self._loader, self._ctx, device=self.bnn.device,
+                             batch_fn=self._batch_fn)
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(values, self._ctx)
+
+    def all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
+        return all_reduce_mean(values, self._ctx)
+
+
+def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | None = None,
+         batch_fn: BatchFn | None = None, shift_loader: Iterable | None = None,
+         temperature: bool = True, progress: bool = True) -> dict[str, Any]:
     """Choose the family's declared knobs (``bnn.method.knobs(bnn)``) and the temperature on
     ``val_loader`` (see the module docstring).
 
     What ``fit(val_loader=...)`` does after its last epoch, for a model trained by another
-    loop (``elbo_loss`` in a custom loop, the Hugging Face ``Trainer``). ``shift_loader``:
-    labelled inputs under the shift you expect (replaces the library's perturbations as the
-    robustness signal); ``temperature=False`` keeps the temperature at 1. Under
-    ``torchrun`` (a process group already initialised) every rank streams its shard and all
-    ranks choose the same values. Returns the record.
+    loop (``elbo_loss`` in a custom loop, the Hugging Face ``Trainer``). ``train_loader``:
+    where the family has member-wise Laplace heads (``laplace_heads``), they are fitted on
+    its first 10,000 examples after the family's search and their τ searched as ``fit``
+    does (without it the heads stay as they are, unfitted: the family's own predictive).
+    ``shift_loader``: labelled inputs under the shift you expect (replaces the library's
+    perturbations as the robustness signal); ``temperature=False`` keeps the temperature at
+    1. Under ``torchrun`` (a process group already initialised) every rank streams its shard
+    and all ranks choose the same values. Returns the record.
     """
     if val_loader is None:
         raise BayesifyError("tune needs a validation loader (batches with labels)")
@@ -504,12 +532,23 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, batch_fn: BatchFn | None =
     def shifted() -> Iterator[Batch]:
         return shard_batches(shift_loader, ctx, device=bnn.device, batch_fn=batch_fn)
 
-    if laplace_heads.enabled(bnn) and not laplace_heads.fitted(bnn):
-        logger.info("%s: laplace_heads are fitted by bayesify.fit(bnn, train_loader, "
-                    "val_loader=...) (a pass over training data after the family's search); "
-                    "tune searches the family's own knobs only", bnn.method_name)
-    with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):  # only rank 0 warns
-        knobs = bnn.method.knobs(bnn) + laplace_heads.heads_knob(bnn)
+    def search(knobs: list[Knob], **kwargs: Any) -> dict[str, Any]:
         return search_knobs(bnn, knobs, batches, ctx,
                             shift_batches=shifted if shift_loader is not None else None,
-                            temperature=temperature, progress=progress)
+                            temperature=temperature, progress=progress, **kwargs)
+
+    heads = laplace_heads.enabled(bnn)
+    with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):  # only rank 0 warns
+        if heads and train_loader is not None:  # as fit's search does (train/loop.py)
+            laplace_heads.unfit(bnn)
+            record = search(bnn.method.knobs(bnn))
+            own = installed_scores(bnn, batches, ctx)
+            record.update(laplace_heads.fit_heads(_HeadsPass(bnn, train_loader, ctx, batch_fn)))
+            record.update(search(laplace_heads.heads_knob(bnn), keep=own))
+            return record
+        if heads and not laplace_heads.fitted(bnn):
+            logger.info("%s: laplace_heads are not fitted: tune(bnn, val_loader, "
+                        "train_loader=...) fits them (a pass over up to 10,000 training "
+                        "examples after the family's search); without it the family's own "
+                        "knobs are searched", bnn.method_name)
+        return search(bnn.method.knobs(bnn) + laplace_heads.heads_knob(bnn))
