@@ -492,7 +492,7 @@ class _HeadsPass:
 
     def batches(self, fraction: float = 1.0) -> Iterator[Batch]:
         return shard_batches(self._loader, self._ctx, device=self.bnn.device,
-                             batch_fn=self._batch_fn)
+                             batch_fn=self._batch_fn, fraction=fraction)
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         return all_reduce_sum(values, self._ctx)
