@@ -326,8 +326,8 @@ def test_tune_with_a_training_loader_fits_the_heads_as_fit_does() -> None:
             self.bnn, self._val = bnn, lambda: shard_batches(_loader(32, 2), ctx,
                                                              device=bnn.device, batch_fn=None)
             self._pass = _HeadsPass(bnn, _loader(), ctx, None)
-            self.tune = lambda knobs, keep=None: search_knobs(bnn, knobs, self._val, ctx,
-                                                              keep=keep)
+            self.tune = lambda knobs, keep=None, start=None: search_knobs(
+                bnn, knobs, self._val, ctx, keep=keep, start=start)
             self.clean_scores = lambda: installed_scores(bnn, self._val, ctx)
             self.batches, self.world_size = self._pass.batches, 1
             self.all_reduce_sum, self.all_reduce_mean = (self._pass.all_reduce_sum,
@@ -338,3 +338,48 @@ def test_tune_with_a_training_loader_fits_the_heads_as_fit_does() -> None:
         assert record[key] == expected[key], key
     x = _data(8, 7)[0]
     torch.testing.assert_close(by_tune.predictive(x).probs, reference.predictive(x).probs)
+
+
+def test_the_start_is_scored_once_for_the_family_and_its_heads(monkeypatch) -> None:
+    """fit's search and tune(train_loader=) pass over the split with the start (and its
+    shift ladder) once for both searches, the family's and its heads'; the reused point is
+    the one a second pass computes (the heads' choice is the same either way)."""
+    from bayesify import tune
+    from bayesify.train import tuning
+
+    calls = []
+    original = tuning.starting_point
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    from bayesify.train import loop
+
+    searches = []
+    search_state = loop._search
+
+    def counted_search(*args, **kwargs):
+        searches.append(1)
+        return search_state(*args, **kwargs)
+
+    monkeypatch.setattr(tuning, "starting_point", counted)
+    monkeypatch.setattr(loop, "_search", counted_search)
+    bnn = _fitted("ensemble")  # keep-best may search an earlier state again: once each
+    assert len(calls) == len(searches) >= 1 and heads.fitted(bnn)
+    chosen = (bnn.state.value(heads._TAU), bnn.state.value("temperature"))
+    calls.clear()
+    record = tune(bnn, _loader(32, 2), train_loader=_loader(), progress=False)
+    assert len(calls) == 1
+    monkeypatch.setattr(tuning, "search_knobs", _without_start(tuning.search_knobs))
+    again = tune(bnn, _loader(32, 2), train_loader=_loader(), progress=False)
+    assert len(calls) == 3  # without the shared start: one pass per search
+    assert (again[heads._TAU], again["temperature"]) == (record[heads._TAU],
+                                                         record["temperature"])
+    assert (record[heads._TAU], record["temperature"]) == chosen
+
+
+def _without_start(search_knobs):
+    def search(*args, start=None, **kwargs):
+        return search_knobs(*args, **kwargs)
+    return search

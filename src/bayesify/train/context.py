@@ -165,11 +165,12 @@ class TrainContext:
         return shard_batches(self.shift_loader, self.ctx, device=self.bnn.device,
                              batch_fn=self.batch_fn)
 
-    def tune(self, knobs: list[Knob], *,
-             keep: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
+    def tune(self, knobs: list[Knob], *, keep: tuple[torch.Tensor, torch.Tensor] | None = None,
+             start: dict[str, Any] | None = None) -> dict[str, Any]:
         return search_knobs(self.bnn, knobs, self.val_batches, self.ctx,
                             shift_batches=self.shift_batches if self.shift_loader is not None
-                            else None, progress=self.show_progress and self.is_main, keep=keep)
+                            else None, progress=self.show_progress and self.is_main, keep=keep,
+                            start=start)
 
     def clean_scores(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``[n]`` per-example clean validation NLL and error of the predictive as it is now."""

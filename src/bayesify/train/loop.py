@@ -364,11 +364,12 @@ def _search(state: TrainContext, method: Any) -> dict[str, Any]:
     (a knob such as iBNN's noise scale changes their features) and their τ with the
     temperature."""
     laplace_heads.unfit(state.bnn)  # heads of an earlier state (keep-best) are stale
-    record = state.tune(method.knobs(state.bnn))
+    start: dict[str, Any] = {}  # the start's pass over the split, once for both searches
+    record = state.tune(method.knobs(state.bnn), start=start)
     if laplace_heads.enabled(state.bnn):  # member-wise Laplace heads (issue 31)
         own = state.clean_scores()  # what the family reached: the heads keep it
         record.update(laplace_heads.fit_heads(state))
-        record.update(state.tune(laplace_heads.heads_knob(state.bnn), keep=own))
+        record.update(state.tune(laplace_heads.heads_knob(state.bnn), keep=own, start=start))
     return record
 
 

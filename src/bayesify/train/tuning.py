@@ -301,7 +301,8 @@ def installed_scores(bnn: BayesianModel, batches: Batches,
 def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: DistContext, *,
                  shift_batches: Batches | None = None, temperature: bool = True,
                  progress: bool = False,
-                 keep: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
+                 keep: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 start: dict[str, Any] | None = None) -> dict[str, Any]:
     """Choose every knob in turn, each jointly with the temperature (see the module
     docstring); installs the choice and returns the record.
 
@@ -313,15 +314,23 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     (on the stress matrix's under-confident networks the families end 0.03–0.08 nats below
     the start, and heads searched against the start gave part of it back for shift NLL) nor
     change its decisions on the data (searched against the start's accuracy − 1 point, the
-    heads cost mean-field 1.2 points of test accuracy on the ViT protocol's seed 1)."""
+    heads cost mean-field 1.2 points of test accuracy on the ViT protocol's seed 1).
+
+    ``start``: a dict shared by consecutive searches of one model state and split (the
+    family's, then its heads'): the first fills it with :func:`starting_point`'s result, the
+    next reuse it instead of another pass of the start over the split and its shift ladder."""
     if not knobs and not temperature:
         return {}
     record: dict[str, Any] = {}
     was_training = bnn.training
     bnn.eval()
     try:
-        reference, start_t, allowed, start_errors, floor, shift = starting_point(
-            bnn, batches, ctx, signal=shift_batches is None)
+        point = start.get("point") if start is not None else None
+        if point is None:
+            point = starting_point(bnn, batches, ctx, signal=shift_batches is None)
+            if start is not None:
+                start["point"] = point
+        reference, start_t, allowed, start_errors, floor, shift = point
         start_reference = float(reference.mean())
         error_cap = float(start_errors.mean()) + ACCURACY_TOLERANCE
         if keep is not None:
@@ -541,10 +550,11 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | N
     with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):  # only rank 0 warns
         if heads and train_loader is not None:  # as fit's search does (train/loop.py)
             laplace_heads.unfit(bnn)
-            record = search(bnn.method.knobs(bnn))
+            start: dict[str, Any] = {}
+            record = search(bnn.method.knobs(bnn), start=start)
             own = installed_scores(bnn, batches, ctx)
             record.update(laplace_heads.fit_heads(_HeadsPass(bnn, train_loader, ctx, batch_fn)))
-            record.update(search(laplace_heads.heads_knob(bnn), keep=own))
+            record.update(search(laplace_heads.heads_knob(bnn), keep=own, start=start))
             return record
         if heads and not laplace_heads.fitted(bnn):
             logger.info("%s: laplace_heads are not fitted: tune(bnn, val_loader, "
