@@ -41,7 +41,15 @@ LAPLACE_HEADS_HELP = (
     "puts a KFAC Laplace around every posterior component's classifier; the predictive is the "
     "mixture of the members' probit GLM predictives, whose spread grows off the data, with "
     "the heads' τ and the temperature (sharpening included) chosen on validation. Without a "
-    "val_loader the heads are not fitted (the family's own predictive).")
+    "val_loader the heads are not fitted (the family's own predictive); after another training "
+    "loop, tune(bnn, val_loader, train_loader=...) fits them.")
+
+
+def laplace_heads_on() -> Any:
+    """The ``laplace_heads`` field of a family that has the heads on by default: their
+    spread grows off the data, which the families' own does not (benchmarks/RESULTS.md,
+    "Member-wise Laplace heads"; issue 31)."""
+    return option(True, LAPLACE_HEADS_HELP)
 
 
 @dataclass(frozen=True)

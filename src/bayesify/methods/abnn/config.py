@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bayesify.core.config import LAPLACE_HEADS_HELP, MethodConfig, option, require
+from bayesify.core.config import MethodConfig, laplace_heads_on, option, require
 
 
 @dataclass(frozen=True)
 class ABNNConfig(MethodConfig):
     """Multiplicative Gaussian noise on every normalisation layer's normalised activations."""
 
-    # on by default: the heads' spread grows off the data, which the family's own does not
-    # (benchmarks/RESULTS.md, "Member-wise Laplace heads"; issue 31)
-    laplace_heads: bool = option(True, LAPLACE_HEADS_HELP)
+    laplace_heads: bool = laplace_heads_on()  # on by default (bayesify.kit.laplace_heads)
 
     components: int = option(
         3, "K: members, each with its own copy of every normalisation layer's γ, β "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bayesify.core.config import LAPLACE_HEADS_HELP, MethodConfig, option, require
+from bayesify.core.config import MethodConfig, laplace_heads_on, option, require
 
 GRANULARITIES = ("element", "channel")
 
@@ -13,9 +13,7 @@ GRANULARITIES = ("element", "channel")
 class DropoutConfig(MethodConfig):
     """MC dropout before every target layer, kept on at prediction (Gal & Ghahramani)."""
 
-    # on by default: the heads' spread grows off the data, which the family's own does not
-    # (benchmarks/RESULTS.md, "Member-wise Laplace heads"; issue 31)
-    laplace_heads: bool = option(True, LAPLACE_HEADS_HELP)
+    laplace_heads: bool = laplace_heads_on()  # on by default (bayesify.kit.laplace_heads)
 
     p: float = option(
         0.05, "Dropout rate before every target layer (kept active at prediction). A pretrained "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bayesify.core.config import LAPLACE_HEADS_HELP, MethodConfig, option, require
+from bayesify.core.config import MethodConfig, laplace_heads_on, option, require
 
 HEAD_INITS = ("random", "pretrained")
 
@@ -13,9 +13,7 @@ HEAD_INITS = ("random", "pretrained")
 class EnsembleConfig(MethodConfig):
     """Deep ensemble of M weight copies (or a cyclic-LR snapshot ensemble), one tiled module."""
 
-    # on by default: the heads' spread grows off the data, which the family's own does not
-    # (benchmarks/RESULTS.md, "Member-wise Laplace heads"; issue 31)
-    laplace_heads: bool = option(True, LAPLACE_HEADS_HELP)
+    laplace_heads: bool = laplace_heads_on()  # on by default (bayesify.kit.laplace_heads)
 
     components: int = option(
         4, "M: ensemble members (weight copies of every target layer); 4 keeps the cost at 4 "

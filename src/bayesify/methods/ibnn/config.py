@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bayesify.core.config import LAPLACE_HEADS_HELP, MethodConfig, option, require
+from bayesify.core.config import MethodConfig, laplace_heads_on, option, require
 
 
 @dataclass(frozen=True)
 class IBNNConfig(MethodConfig):
     """Implicit BNN: multiplicative node noise, a K-component Gaussian mixture (Trinh et al.)."""
 
-    # on by default: the heads' spread grows off the data, which the family's own does not
-    # (benchmarks/RESULTS.md, "Member-wise Laplace heads"; issue 31)
-    laplace_heads: bool = option(True, LAPLACE_HEADS_HELP)
+    laplace_heads: bool = laplace_heads_on()  # on by default (bayesify.kit.laplace_heads)
 
     components: int = option(
         4, "K: mixture components of q(z) (an ensemble of K); 4 is the paper's smallest "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bayesify.core.config import LAPLACE_HEADS_HELP, option, require
+from bayesify.core.config import laplace_heads_on, option, require
 from bayesify.kit.priors import WeightPriorConfig
 
 SAMPLING_MODES = ("local_reparam", "flipout", "weights")
@@ -16,9 +16,7 @@ KL_WEIGHTINGS = ("uniform", "blundell")
 class MeanFieldConfig(WeightPriorConfig):
     """Bayes by Backprop: a Gaussian per weight around the pretrained weights (Blundell et al.)."""
 
-    # on by default: the heads' spread grows off the data, which the family's own does not
-    # (benchmarks/RESULTS.md, "Member-wise Laplace heads"; issue 31)
-    laplace_heads: bool = option(True, LAPLACE_HEADS_HELP)
+    laplace_heads: bool = laplace_heads_on()  # on by default (bayesify.kit.laplace_heads)
 
     prior: str = option(
         "gaussian",

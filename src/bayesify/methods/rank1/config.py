@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bayesify.core.config import LAPLACE_HEADS_HELP, MethodConfig, option, require
+from bayesify.core.config import MethodConfig, laplace_heads_on, option, require
 from bayesify.kit.rank_one import INIT_CHOICES
 
 
@@ -12,9 +12,7 @@ from bayesify.kit.rank_one import INIT_CHOICES
 class Rank1Config(MethodConfig):
     """Rank-1 BNN: Gaussian rank-1 factors W∘(s rᵀ), K members (Dusenberry et al. 2020)."""
 
-    # on by default: the heads' spread grows off the data, which the family's own does not
-    # (benchmarks/RESULTS.md, "Member-wise Laplace heads"; issue 31)
-    laplace_heads: bool = option(True, LAPLACE_HEADS_HELP)
+    laplace_heads: bool = laplace_heads_on()  # on by default (bayesify.kit.laplace_heads)
 
     components: int = option(
         4, "K: ensemble members (rank-1 factor pairs r_k, s_k per layer); the paper's 4.")
