@@ -20,7 +20,13 @@ from bayesify.core.model import BayesianModel
 from bayesify.core.registry import get_method_class, list_methods, register_method
 from bayesify.errors import BayesifyError, ModelOutputError, NonFiniteLossError
 from bayesify.persistence import load_posterior
-from bayesify.predict import BasePredictor, EnsemblePredictor, ModelPredictor, Prediction
+from bayesify.predict import (
+    BasePredictor,
+    EnsemblePredictor,
+    MixturePredictor,
+    ModelPredictor,
+    Prediction,
+)
 from bayesify.train import fit
 from bayesify.train.custom_loop import (
     GuardedStep,
@@ -56,6 +62,7 @@ __all__ = [
     "Knob",
     "LossTerms",
     "MethodConfig",
+    "MixturePredictor",
     "ModelOutputError",
     "ModelPredictor",
     "NonFiniteLossError",

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 from bayesify.predict.export_meta import (
     export_metadata,
+    export_method,
     metadata_text,
     onnx_bytes,
     pt2_bytes,
@@ -321,7 +322,7 @@ def export_predictor(
     """
     fmt = format_of(path, format)
     path = Path(path)
-    method = getattr(getattr(predictor, "bnn", None), "method_name", "model")
+    method = export_method(predictor, "model")
     start, loud = time.perf_counter(), is_rank_zero()
     if loud:
         logger.info("export: %s predictor to %s (%s) ...", method, path, fmt)

@@ -23,6 +23,7 @@ do not open the archive.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import warnings
@@ -46,8 +47,20 @@ def _wrapped_model(predictor: BasePredictor) -> torch.nn.Module | None:
     bnn = getattr(predictor, "bnn", None)
     if bnn is not None:
         return bnn.model
+    parts = getattr(predictor, "parts", None)
+    if parts:
+        return _wrapped_model(parts[0])
     models = getattr(predictor, "models", None)
     return models[0] if models else None
+
+
+def export_method(predictor: BasePredictor, default: str) -> str:
+    """The family an export names: the posterior's method, a mixture's parts, else
+    ``default``."""
+    name = getattr(predictor, "method_name", None)
+    if isinstance(name, str):
+        return name
+    return getattr(getattr(predictor, "bnn", None), "method_name", default)
 
 
 def default_class_names(predictor: BasePredictor) -> list[str] | None:
@@ -67,6 +80,10 @@ def posterior_fingerprint(predictor: BasePredictor) -> tuple[str, str | None]:
     bnn = getattr(predictor, "bnn", None)
     if bnn is not None:
         return fingerprint(bnn.posterior_tensors()), bnn.base_fingerprint
+    parts = getattr(predictor, "parts", None)
+    if parts is not None:  # a MixturePredictor: one digest of its parts', in order
+        prints = "|".join(f"{a}:{b}" for a, b in (posterior_fingerprint(p) for p in parts))
+        return hashlib.sha256(prints.encode()).hexdigest(), None
     state = {f"{i}.{k}": v for i, m in enumerate(getattr(predictor, "models", []))
              for k, v in m.state_dict().items()}
     return fingerprint(state), None
@@ -85,7 +102,7 @@ def export_metadata(predictor: BasePredictor, *, fmt: str, members: int, num_cla
     if names is not None and len(names) != num_classes:
         raise BayesifyError(f"class_names has {len(names)} entries but the predictor has "
                             f"{num_classes} classes")
-    method = getattr(getattr(predictor, "bnn", None), "method_name", "map")
+    method = export_method(predictor, "map")
     fingerprint, base = posterior_fingerprint(predictor)
     return {
         "bayesify_export": METADATA_VERSION, "bayesify_version": __version__,

@@ -1,0 +1,189 @@
+"""Issue 31, item 2: members that really differ, and MultiSWAG where it pays.
+
+On a quality protocol (``benchmarks/protocols.py``; ``--protocol digits-cnn`` or
+``digits-vit``), per seed, against the start and a 5-member deep ensemble trained from
+scratch on the whole pretraining split (members cached with ``$BAYESIFY_BENCH_CACHE``):
+
+* ``copies-x5``: five fine-tuned copies of the pretrained network, each with its classifier
+  re-initialised (its own seed), every layer fine-tuned ``--epochs`` epochs with Adam on the
+  200 fine-tuning images in its own data order (the issue's "5 fine-tuned copies");
+* ``copies-x5+T``: the same at the temperature of the lowest clean validation NLL;
+* ``swag``: the library's SWAG on the start (defaults + ``val_loader``);
+* ``multiswag-copies``: the library's SWAG (defaults + ``val_loader``) around each of the five
+  copies, the mixture of the five searched predictives (Wilson & Izmailov 2020's MultiSWAG
+  from one pretrained network);
+* ``multiswag-deep``: the same around each of the deep ensemble's five members (MultiSWAG as
+  its authors build it: it needs the deep ensemble first, so it costs more than it).
+
+Columns: accuracy, clean NLL, mean NLL over the protocol's shifts, OOD AUROC by predictive
+entropy (near + far OOD), fit seconds (the copies' fine-tuning included; the deep ensemble's
+training for ``multiswag-deep``). Writes ``results/multiswag31_<protocol>.json``.
+
+    BAYESIFY_BENCH_CACHE=~/.cache/bayesify-bench python benchmarks/multiswag31.py --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from protocols import PROTOCOLS
+from quality import point_stats, predictions
+
+import bayesify
+from bayesify import metrics
+from bayesify.core.prediction import Prediction, temper
+from bayesify.core.walker import find_classifier
+from bayesify.predict.predictor import BasePredictor, ModelPredictor
+from bayesify.train.tuning import TEMPERATURES
+
+MEMBERS = 5
+
+
+class MixturePredictor(BasePredictor):
+    """The equal-weight mixture of K predictors' calibrated predictives: member k of the
+    :class:`Prediction` is predictor k's ``log p_k`` at its own temperature."""
+
+    def __init__(self, parts: list[BasePredictor]) -> None:
+        self.parts = parts
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> Prediction:
+        return Prediction(torch.stack([p.predict(inputs).scaled(p.temperature).log_probs
+                                       for p in self.parts]))
+
+
+def fine_tuned_copy(base: nn.Module, train: Any, *, seed: int, epochs: int,
+                    lr: float = 1e-3) -> nn.Module:
+    """``base`` with its classifier re-initialised (seed ``seed``), every layer trained
+    ``epochs`` epochs with Adam in its own data order."""
+    model = copy.deepcopy(base)
+    torch.manual_seed(seed)
+    head = model.get_submodule(find_classifier(model))
+    head.reset_parameters()
+    g = torch.Generator().manual_seed(seed)
+    loader = DataLoader(train, batch_size=32, shuffle=True, generator=g)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(epochs):
+        for xb, yb in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+    return model.eval()
+
+
+def swag(model: nn.Module, loaders: dict[str, Any]) -> BasePredictor:
+    bnn = bayesify.bayesify(copy.deepcopy(model), "swag")
+    bayesify.fit(bnn, loaders["train"], val_loader=loaders["val"], progress=False)
+    return bnn.predictor()
+
+
+@torch.no_grad()
+def validation_temperature(predictor: BasePredictor, p: Any) -> float:
+    """The temperature of :data:`~bayesify.train.tuning.TEMPERATURES` with the lowest clean
+    validation NLL (the copies are over-confident: 200 images, 30 epochs)."""
+    vx, vy = p.val.tensors
+    log_probs = predictor.predict(vx).log_probs
+    nll = [metrics.per_example_nll(temper(log_probs, t), vy).mean().item() for t in TEMPERATURES]
+    return TEMPERATURES[min(range(len(nll)), key=nll.__getitem__)]
+
+
+def score(predictor: BasePredictor, tx, ty, shifted, ood) -> dict[str, float]:
+    clean = point_stats(predictions(predictor, tx), ty)
+    o = point_stats(predictions(predictor, ood), None)
+    shift = {k: point_stats(predictions(predictor, xs), ty)["nll"].mean().item()
+             for k, xs in shifted.items()}
+    return {"acc": clean["correct"].mean().item(), "clean_nll": clean["nll"].mean().item(),
+            "shift_nll": sum(shift.values()) / len(shift), "shift_by_kind": shift,
+            "auroc": metrics.auroc(clean["entropy"], o["entropy"])}
+
+
+def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    spec = PROTOCOLS[args.protocol]
+    torch.manual_seed(seed)
+    p = spec.build(seed)
+    tx, ty = p.test.tensors
+    shifted = spec.shifts(tx, seed)
+    ood = torch.cat([p.ood_near, p.ood_far])
+    out: dict[str, Any] = {"seed": seed, "rows": {}}
+    t0 = time.perf_counter()
+    deep = [spec.pretrained(p, seed, i, epochs=spec.map_epochs) for i in range(MEMBERS)]
+    deep_s = time.perf_counter() - t0
+    if args.time_member:  # a cached network loads in a moment: train one afresh, × 5
+        t0 = time.perf_counter()
+        spec.pretrained.__wrapped__(p, seed, 1, epochs=spec.map_epochs)
+        deep_s = MEMBERS * (time.perf_counter() - t0)
+    out["deep_seconds"] = deep_s
+    base = deep[0]
+
+    def row(name: str, predictor: BasePredictor, fit_s: float) -> None:
+        r = score(predictor, tx, ty, shifted, ood)
+        r["fit_seconds"] = fit_s
+        out["rows"][name] = r
+        print(f"{args.protocol} seed {seed} {name:18s} acc {r['acc']:.4f} clean "
+              f"{r['clean_nll']:.4f} shift {r['shift_nll']:.3f} auroc {r['auroc']:.4f} "
+              f"fit {fit_s:.1f}s", flush=True)
+
+    row("map", ModelPredictor(base), 0.0)
+    row("deep-ensemble-x5", ModelPredictor(deep), deep_s)
+    loaders = p.loaders(seed)
+    t0 = time.perf_counter()
+    row("swag", swag(base, loaders), time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    copies = [fine_tuned_copy(base, p.train, seed=1000 * seed + k, epochs=args.epochs)
+              for k in range(MEMBERS)]
+    copies_s = time.perf_counter() - t0
+    row("copies-x5", ModelPredictor(copies), copies_s)
+    tempered = ModelPredictor(copies, temperature=validation_temperature(ModelPredictor(copies), p))
+    row("copies-x5+T", tempered, copies_s)
+    t0 = time.perf_counter()
+    parts = []
+    for k, model in enumerate(copies):
+        torch.manual_seed(seed + k)
+        parts.append(swag(model, p.loaders(seed)))
+    row("multiswag-copies", MixturePredictor(parts), copies_s + time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    parts = []
+    for k, model in enumerate(deep):
+        torch.manual_seed(seed + k)
+        parts.append(swag(model, p.loaders(seed)))
+    row("multiswag-deep", MixturePredictor(parts), deep_s + time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--protocol", default="digits-cnn", choices=sorted(PROTOCOLS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--epochs", type=int, default=30,
+                        help="fine-tuning epochs of each re-initialised copy")
+    parser.add_argument("--time-member", action="store_true",
+                        help="train one deep-ensemble member afresh (not from the cache) and "
+                        "count 5× its time as the deep ensemble's training")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    runs = [run_seed(seed, args) for seed in args.seeds]
+    out = Path(args.out or Path(__file__).parent / "results" / f"multiswag31_{args.protocol}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    main()
