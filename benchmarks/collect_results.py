@@ -60,6 +60,11 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session7.md", "MultiSWAG, fine-tuned copies of one network against a deep "
+             "ensemble; every family on the real EfficientNet-Lite0 (10 classes); the demo's "
+             "AUROC", "BAYESIFY_BENCH_CACHE=cache python benchmarks/multiswag31.py --protocol "
+             "digits-cnn|digits-vit --seeds 0 1 2 --time-member; python "
+             "benchmarks/lite0_families.py --classes 10 --seed S; the text is written by hand"),
         Part("session6.md", "Member-wise Laplace heads: the default of seven families, a wide "
              "network, the heads' reference", "BAYESIFY_BENCH_CACHE=cache python "
              "benchmarks/quality.py [--protocol digits-vit|wide-cnn] --seeds 0 1 2 --save-seeds "

@@ -167,8 +167,32 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def table(runs: list[dict[str, Any]]) -> str:
+    """Markdown: per row the means over seeds of accuracy − the start's, clean NLL − the
+    start's, shift NLL × the start's and × the deep ensemble's, AUROC − the start's, fit
+    seconds × the deep ensemble's training (within each seed)."""
+    names = list(runs[0]["rows"])
+    header = ("| row | accuracy − start | clean NLL − start | shift × start (× ens.) | "
+              "AUROC − start | fit × ens. |")
+    lines = [header, "|---|---|---|---|---|---|"]
+    for name in names:
+        cells = []
+        for run in runs:
+            r, m, d = run["rows"][name], run["rows"]["map"], run["rows"]["deep-ensemble-x5"]
+            deep_s = run.get("deep_seconds") or d["fit_seconds"]
+            cells.append((r["acc"] - m["acc"], r["clean_nll"] - m["clean_nll"],
+                          r["shift_nll"] / m["shift_nll"], r["shift_nll"] / d["shift_nll"],
+                          r["auroc"] - m["auroc"], r["fit_seconds"] / deep_s))
+        mean = [sum(c[i] for c in cells) / len(cells) for i in range(6)]
+        lines.append(f"| {name} | {mean[0] * 100:+.1f} pts | {mean[1]:+.4f} | {mean[2]:.2f} "
+                     f"({mean[3]:.2f}) | {mean[4]:+.3f} | {mean[5]:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--table", nargs="+", metavar="JSON",
+                        help="print the markdown table of saved runs instead of running")
     parser.add_argument("--protocol", default="digits-cnn", choices=sorted(PROTOCOLS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--epochs", type=int, default=30,
@@ -178,6 +202,10 @@ def main(argv: list[str] | None = None) -> None:
                         "count 5× its time as the deep ensemble's training")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.table:
+        for path in args.table:
+            print(f"{path}:\n{table(json.loads(Path(path).read_text()))}\n")
+        return
     torch.set_num_threads(1)
     runs = [run_seed(seed, args) for seed in args.seeds]
     out = Path(args.out or Path(__file__).parent / "results" / f"multiswag31_{args.protocol}.json")
