@@ -43,29 +43,12 @@ from quality import point_stats, predictions
 
 import bayesify
 from bayesify import metrics
-from bayesify.core.prediction import Prediction, temper
+from bayesify.core.prediction import temper
 from bayesify.core.walker import find_classifier
-from bayesify.predict.predictor import BasePredictor, ModelPredictor
+from bayesify.predict import BasePredictor, MixturePredictor, ModelPredictor
 from bayesify.train.tuning import TEMPERATURES
 
 MEMBERS = 5
-
-
-class MixturePredictor(BasePredictor):
-    """The equal-weight mixture of K predictors' calibrated predictives: member k of the
-    :class:`Prediction` is predictor k's ``log p_k`` at its own temperature."""
-
-    def __init__(self, parts: list[BasePredictor]) -> None:
-        self.parts = parts
-
-    @property
-    def device(self) -> torch.device:
-        return self.parts[0].device
-
-    @torch.no_grad()
-    def predict(self, inputs: Any) -> Prediction:
-        return Prediction(torch.stack([p.predict(inputs).scaled(p.temperature).log_probs
-                                       for p in self.parts]))
 
 
 def fine_tuned_copy(base: nn.Module, train: Any, *, seed: int, epochs: int,
@@ -102,6 +85,16 @@ def validation_temperature(predictor: BasePredictor, p: Any) -> float:
     log_probs = predictor.predict(vx).log_probs
     nll = [metrics.per_example_nll(temper(log_probs, t), vy).mean().item() for t in TEMPERATURES]
     return TEMPERATURES[min(range(len(nll)), key=nll.__getitem__)]
+
+
+def multiswag(networks: list[nn.Module], p: Any, seed: int) -> tuple[BasePredictor, float]:
+    """SWAG (defaults + ``val_loader``) around each network, mixed; and its seconds."""
+    t0 = time.perf_counter()
+    parts = []
+    for k, model in enumerate(networks):
+        torch.manual_seed(seed + k)
+        parts.append(swag(model, p.loaders(seed)))
+    return MixturePredictor(parts), time.perf_counter() - t0
 
 
 def score(predictor: BasePredictor, tx, ty, shifted, ood) -> dict[str, float]:
@@ -152,18 +145,10 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
     row("copies-x5", ModelPredictor(copies), copies_s)
     tempered = ModelPredictor(copies, temperature=validation_temperature(ModelPredictor(copies), p))
     row("copies-x5+T", tempered, copies_s)
-    t0 = time.perf_counter()
-    parts = []
-    for k, model in enumerate(copies):
-        torch.manual_seed(seed + k)
-        parts.append(swag(model, p.loaders(seed)))
-    row("multiswag-copies", MixturePredictor(parts), copies_s + time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    parts = []
-    for k, model in enumerate(deep):
-        torch.manual_seed(seed + k)
-        parts.append(swag(model, p.loaders(seed)))
-    row("multiswag-deep", MixturePredictor(parts), deep_s + time.perf_counter() - t0)
+    predictor, seconds = multiswag(copies, p, seed)
+    row("multiswag-copies", predictor, copies_s + seconds)
+    predictor, seconds = multiswag(deep, p, seed)
+    row("multiswag-deep", predictor, deep_s + seconds)
     return out
 
 
