@@ -29,6 +29,12 @@ class EnsembleConfig(MethodConfig):
         "member: the source of diversity when members start from one pretrained net (5 per cent "
         "keeps every member within reach of its accuracy)."
     )
+    per_network: bool = option(
+        True, "init_noise is the whole network's: every wrapped layer's jitter is "
+        "init_noise/√L for L wrapped layers (independent jitters of L layers move the function "
+        "like one of √L times the size). Per layer (False), 5 per cent on each of "
+        "EfficientNet-Lite0's 50 layers started the members at 0.22–0.47 test accuracy "
+        "against the network's 0.83, and one epoch left the ensemble 4.3 points below it.")
     seed: int = option(0, "Seed of member k's head initialisation and jitter is seed + k.")
     per_member_bn: bool = option(
         False, "One BatchNorm (statistics + γ, β) per member: with targets='all' every "

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bayesify.core.batch import batch_device, batch_rows, call_model
+from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import FitContext, Step
 from bayesify.core.names import base_name
 from bayesify.core.outputs import logits_of
@@ -64,6 +65,21 @@ class EnsembleMethod(MemberTemperature, TiledMethod):
         nn.Conv2d: EnsembleLayer,
         nn.Conv3d: EnsembleLayer,
     }
+
+    def build(self, model: nn.Module, targets: list[str],
+              context: SamplingContext) -> dict[str, nn.Module]:
+        """The member copies; with ``per_network`` (the default) and L > 1 wrapped layers
+        every layer's jitter is ``init_noise / √L``, so the members start within ~init_noise
+        of the pretrained function whatever the depth (as iBNN's ``per_network``)."""
+        layers = super().build(model, targets, context)
+        members = [m for m in layers.values() if isinstance(m, EnsembleLayer)]
+        if self.config.per_network and len(members) > 1 and self.config.init_noise > 0:
+            shrink = 1.0 / math.sqrt(len(members))
+            with torch.no_grad():
+                for layer in members:
+                    base = layer.base_layer.weight.detach().unsqueeze(0)
+                    layer.member_weight.sub_(base).mul_(shrink).add_(base)
+        return layers
 
     def prepare(self, bnn: BayesianModel) -> None:
         bnn.state.add("snapshot_member", torch.zeros((), dtype=torch.long))
