@@ -143,3 +143,30 @@ def test_parts_of_other_classes_are_refused(nets, digits):
 
 def test_the_package_carries_it():
     assert bz.MixturePredictor is MixturePredictor
+
+
+class _TokenNet(torch.nn.Module):
+    """A toy text classifier called as ``model(input_ids=..., attention_mask=...)``."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(50, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, input_ids, attention_mask):
+        mask = attention_mask.unsqueeze(-1).float()
+        pooled = (self.emb(input_ids) * mask).sum(1) / mask.sum(1).clamp_min(1)
+        return self.head(pooled)
+
+
+def test_dict_batches_predict_and_export(tmp_path):
+    parts = [ModelPredictor(_TokenNet(s), temperature=t) for s, t in ((0, 0.8), (1, 1.5))]
+    mixture = MixturePredictor(parts)
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 50, (5, 7), generator=g),
+             "attention_mask": torch.ones(5, 7, dtype=torch.long)}
+    expected = 0.5 * (parts[0](batch).probs + parts[1](batch).probs)
+    torch.testing.assert_close(mixture(batch).probs, expected, atol=1e-6, rtol=0)
+    info = mixture.export(tmp_path / "t.pt2", batch)
+    assert info["max_abs_diff"] <= 1e-5 and info["metadata"]["method"].startswith("mixture(")
