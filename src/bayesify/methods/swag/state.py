@@ -11,14 +11,11 @@ are recomputed from (``fit`` installs its share of the training data; a predicto
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
 
-from bayesify.core.batch import call_model
 from bayesify.core.names import base_name
-from bayesify.core.outputs import logits_of
 from bayesify.errors import BayesifyError
 from bayesify.methods.swag import posterior as post
 from bayesify.methods.swag.batchnorm import recompute_batchnorm
@@ -28,17 +25,8 @@ from bayesify.methods.swag.layers import SWAGBatchNorm, SWAGLayer
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
-logger = logging.getLogger(__name__)
-
 BN_SOURCE = "bn_source"
 _BN_CACHE = "swag_bn_cache"
-#: ``swag_bn_members`` values: 1 = the members' statistics are stored; PRETRAINED_BN = the
-#: recomputed statistics were rejected (:func:`recomputation_rejected`): every sampled
-#: network keeps the pretrained ones
-PRETRAINED_BN = 2
-#: the share of training inputs on which recomputed statistics may change the decision of
-#: θ̄ (trained through the pretrained statistics) before they are rejected
-MAX_FLIPPED = 0.01
 
 
 def layers(bnn: BayesianModel) -> dict[str, SWAGLayer]:
@@ -104,8 +92,6 @@ def member_batchnorm(bnn: BayesianModel, config: SWAGConfig, num_members: int,
         return [{f"{n}.running_mean": w.running_mean for n, w in wrappers.items()}
                 | {f"{n}.running_var": w.running_var for n, w in wrappers.items()}
                 for _ in range(num_members)]
-    if int(bnn.state.value("swag_bn_members")) == PRETRAINED_BN:
-        return [{}] * num_members  # θ̄'s statistics, the pretrained ones, for every member
     source = bnn.runtime.get(BN_SOURCE)
     cached = bnn.runtime.get(_BN_CACHE)
     if cached is None or cached[0] is not source:  # statistics of another data source
@@ -140,8 +126,6 @@ def store_batchnorm(bnn: BayesianModel, config: SWAGConfig) -> None:
     wrappers = bn_wrappers(bnn)
     if not wrappers or bnn.runtime.get(BN_SOURCE) is None or config.bn_update_fraction == 0:
         return
-    if int(bnn.state.value("swag_bn_members")) == PRETRAINED_BN:
-        return
     if post.snapshots(layers(bnn)) == 1:
         # one snapshot: the starting network kept by fit's never-worse rule; its statistics
         # are the pretrained ones (re-estimating them from a small fit set cost Lite0 22 points)
@@ -166,50 +150,3 @@ def mean_network(bnn: BayesianModel) -> dict[str, torch.Tensor]:
     for n, w in bn_wrappers(bnn).items():
         mean.update({f"{n}.running_mean": w.running_mean, f"{n}.running_var": w.running_var})
     return mean
-
-
-@torch.no_grad()
-def recomputation_rejected(bnn: BayesianModel, config: SWAGConfig) -> bool:
-    """Whether statistics recomputed from the training data would change θ̄'s decisions:
-    θ̄ was trained through the pretrained statistics (frozen BatchNorm), so where
-    recomputing them moves its argmax on more than :data:`MAX_FLIPPED` of the training
-    inputs they came from other data (ImageNet statistics under a head fitted on new
-    images: SWA's mean fell from 0.84 to 0.17 test accuracy on EfficientNet-Lite0) and
-    every sampled network keeps them. Then ``swag_bn_members`` is :data:`PRETRAINED_BN`."""
-    wrappers = bn_wrappers(bnn)
-    source = bnn.runtime.get(BN_SOURCE)
-    if (not wrappers or source is None or config.bn_update_fraction == 0
-            or post.snapshots(layers(bnn)) == 1):
-        return False
-    recomputed = recompute(bnn, config, {})
-    pretrained = {f"{n}.{k}": getattr(w.base_layer, k) for n, w in wrappers.items()
-                  for k in ("running_mean", "running_var")}
-    was_training = bnn.model.training
-    bnn.model.eval()
-    flipped, rows = torch.zeros(()), torch.zeros(())
-    try:
-        for batch in source.batches(config.bn_update_fraction):
-            decisions = []
-            for stats in (pretrained, recomputed):
-                for name, w in wrappers.items():
-                    w.running_mean.copy_(stats[f"{name}.running_mean"])
-                    w.running_var.copy_(stats[f"{name}.running_var"])
-                logits = logits_of(call_model(bnn.model, batch.model_input()))
-                decisions.append(logits.argmax(-1).cpu())
-            flipped += (decisions[0] != decisions[1]).sum()
-            rows += decisions[0].numel()
-    finally:
-        for name, w in wrappers.items():  # θ̄'s statistics until store_batchnorm decides
-            w.running_mean.copy_(pretrained[f"{name}.running_mean"])
-            w.running_var.copy_(pretrained[f"{name}.running_var"])
-        bnn.model.train(was_training)
-    share = float(source.mean(flipped.double()) / source.mean(rows.double()).clamp_min(1))
-    rejected = share > MAX_FLIPPED
-    if rejected:
-        bnn.state.set("swag_bn_members", PRETRAINED_BN)
-        logger.warning(
-            "swag: BatchNorm statistics recomputed from the training data change the SWA "
-            "mean's prediction on %.1f%% of the training inputs (> %.0f%%): they are not the "
-            "statistics it was trained through; every sampled network keeps the pretrained "
-            "ones (bn_update_fraction=0 says so up front)", 100 * share, 100 * MAX_FLIPPED)
-    return rejected

@@ -110,7 +110,6 @@ class SWAGStep(SnapshotStep):
                     value.copy_(layer.moments.mean(key).to(value.device, value.dtype))
         bnn.runtime[state.BN_SOURCE] = ctx.source()
         bnn.state.set("swag_fitted", 1)
-        state.recomputation_rejected(bnn, self.config)
         state.store_batchnorm(bnn, self.config)
         return {"snapshots": taken, "rank": post.collected_rank(layers),
                 "scale": state.scale(bnn)}
