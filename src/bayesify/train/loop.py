@@ -88,6 +88,7 @@ from bayesify.train.steps import (
     flush_group,
     train_step,
 )
+from bayesify.train.tuning import search_with_heads
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -359,18 +360,8 @@ def fit(
 
 
 def _search(state: TrainContext, method: Any) -> dict[str, Any]:
-    """The validation search of the model's current state: the family's knobs (with the
-    temperature); then, with ``laplace_heads``, the heads fitted on the members as searched
-    (a knob such as iBNN's noise scale changes their features) and their τ with the
-    temperature."""
-    laplace_heads.unfit(state.bnn)  # heads of an earlier state (keep-best) are stale
-    start: dict[str, Any] = {}  # the start's pass over the split, once for both searches
-    record = state.tune(method.knobs(state.bnn), start=start)
-    if laplace_heads.enabled(state.bnn):  # member-wise Laplace heads (issue 31)
-        own = state.clean_scores()  # what the family reached: the heads keep it
-        record.update(laplace_heads.fit_heads(state))
-        record.update(state.tune(laplace_heads.heads_knob(state.bnn), keep=own, start=start))
-    return record
+    """The validation search of the model's current state (:func:`search_with_heads`)."""
+    return search_with_heads(state.bnn, state.tune, state.clean_scores, state)
 
 
 def _search_and_validate(state: TrainContext, method: Any,

@@ -510,6 +510,25 @@ class _HeadsPass:
         return all_reduce_mean(values, self._ctx)
 
 
+def search_with_heads(bnn: BayesianModel, search: Callable[..., dict[str, Any]],
+                      scores: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                      heads_source: Any) -> dict[str, Any]:
+    """The validation search of the model's current state, in ``fit`` and :func:`tune`: the
+    family's knobs (with the temperature); then, with ``laplace_heads``, the heads fitted on
+    the members as searched (a knob such as iBNN's noise scale changes their features) over
+    ``heads_source``'s training batches and their τ with the temperature, kept to what the
+    family reached (``scores``: :func:`installed_scores`). ``search(knobs, keep=, start=)``
+    runs :func:`search_knobs` on the split; both searches share the start's pass."""
+    laplace_heads.unfit(bnn)  # heads of an earlier state (keep-best) are stale
+    start: dict[str, Any] = {}
+    record = search(bnn.method.knobs(bnn), start=start)
+    if laplace_heads.enabled(bnn):  # member-wise Laplace heads (issue 31)
+        own = scores()  # what the family reached: the heads keep it
+        record.update(laplace_heads.fit_heads(heads_source))
+        record.update(search(laplace_heads.heads_knob(bnn), keep=own, start=start))
+    return record
+
+
 def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | None = None,
          batch_fn: BatchFn | None = None, shift_loader: Iterable | None = None,
          temperature: bool = True, progress: bool = True) -> dict[str, Any]:
@@ -548,14 +567,9 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | N
 
     heads = laplace_heads.enabled(bnn)
     with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):  # only rank 0 warns
-        if heads and train_loader is not None:  # as fit's search does (train/loop.py)
-            laplace_heads.unfit(bnn)
-            start: dict[str, Any] = {}
-            record = search(bnn.method.knobs(bnn), start=start)
-            own = installed_scores(bnn, batches, ctx)
-            record.update(laplace_heads.fit_heads(_HeadsPass(bnn, train_loader, ctx, batch_fn)))
-            record.update(search(laplace_heads.heads_knob(bnn), keep=own, start=start))
-            return record
+        if heads and train_loader is not None:  # as fit's search does
+            return search_with_heads(bnn, search, lambda: installed_scores(bnn, batches, ctx),
+                                     _HeadsPass(bnn, train_loader, ctx, batch_fn))
         if heads and not laplace_heads.fitted(bnn):
             logger.info("%s: laplace_heads are not fitted: tune(bnn, val_loader, "
                         "train_loader=...) fits them (a pass over up to 10,000 training "
