@@ -244,3 +244,92 @@ def test_scale_chosen_on_validation_matches_brute_force_and_round_trips(tmp_path
             progress=False)
     with pytest.raises(BayesifyError, match="scale_grid"):
         bayesify(mlp(), "swag", scale_grid=(10.0, 1.0, 3))
+
+
+def _foreign_statistics_net(loader: DataLoader) -> nn.Module:
+    """A BatchNorm CNN whose statistics came from other data (shifted and widened, as ImageNet
+    statistics under new images) and whose classifier was then fitted through them on
+    ``loader``'s data in eval mode, as a linear probe on frozen features is."""
+    net = convnet().double()
+    update_bn(loader, net)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):  # per channel: other data, other statistics
+                shape = m.running_mean.shape
+                m.running_mean.add_(2.0 * torch.randn(shape, generator=g, dtype=torch.float64))
+                m.running_var.mul_(torch.exp(2.0 * torch.randn(shape, generator=g,
+                                                               dtype=torch.float64)))
+    net.eval()
+    head = net[-1]
+    opt = torch.optim.Adam(head.parameters(), lr=0.05)
+    x, y = loader.dataset.tensors
+    for _ in range(300):
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return net.eval()
+
+
+def _probe_task() -> DataLoader:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 1, 6, 6, generator=g, dtype=torch.float64)
+    y = (x[:, 0, :3].mean((1, 2)) > 0).long() + (x[:, 0, 3:].mean((1, 2)) > 0.2).long()
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def _still_swag(net: nn.Module):
+    return bayesify(net, "swag", variant="diag", scale=0.1, lr=0.0, momentum=0.0,
+                    weight_decay=0.0, snapshot_every_steps=1, predict_samples=3)
+
+
+def test_statistics_from_other_data_are_kept_when_recomputing_costs_training_accuracy(
+        caplog, tmp_path, monkeypatch):
+    # issue 30: SWA's mean on EfficientNet-Lite0 (ImageNet statistics, a 10-way digit head)
+    # fell from 0.84 to 0.17 test accuracy when its statistics were recomputed from the
+    # training data; the labels of the training examples say which statistics θ̄ works with
+    loader = _probe_task()
+    x, y = loader.dataset.tensors
+    net = _foreign_statistics_net(loader)
+    reference = {k: v.clone() for k, v in net.state_dict().items() if "running" in k}
+    with torch.no_grad():
+        start_acc = float((net(x).argmax(-1) == y).double().mean())
+    bnn = _still_swag(net)
+    with caplog.at_level("WARNING", logger="bayesify.methods.swag.state"):
+        result = fit(bnn, loader, epochs=1, progress=False)
+    record = result.history[-1]
+    assert record["swag_batchnorm"] == "pretrained"
+    assert (record["swag_bn_train_accuracy_recomputed"]
+            < record["swag_bn_train_accuracy_pretrained"] - swag_state.BN_TOLERANCE)
+    assert int(bnn.state.value("swag_bn_members")) == swag_state.PRETRAINED_BN
+    assert "keeps them" in caplog.text
+    for key, value in reference.items():  # θ̄ and every member: the statistics as given
+        torch.testing.assert_close(bnn.model.get_buffer(key), value)
+    assert all(stats == {} for stats in bnn.method.member_batchnorm(bnn, 3, seed=0))
+    with torch.no_grad():
+        probs = bnn.predictor(temperature=1.0)(x).probs
+    assert float((probs.argmax(-1) == y).double().mean()) >= start_acc - 0.03
+    # saved and reloaded (no data): the same predictive
+    bnn.save_posterior(tmp_path / "post")
+    again = load_posterior(_foreign_statistics_net(loader), tmp_path / "post")
+    with torch.no_grad():
+        torch.testing.assert_close(again.predictor(temperature=1.0)(x).probs, probs)
+    # the rule is what keeps them: accepting any loss, the recomputed statistics cost accuracy
+    monkeypatch.setattr(swag_state, "BN_TOLERANCE", 1.0)
+    bnn2 = _still_swag(_foreign_statistics_net(loader))
+    assert fit(bnn2, loader, epochs=1, progress=False).history[-1]["swag_batchnorm"] == "recomputed"
+    with torch.no_grad():
+        recomputed = bnn2.predictor(temperature=1.0)(x).probs.argmax(-1)
+    assert float((recomputed == y).double().mean()) < start_acc - 0.05
+
+
+def test_statistics_of_the_training_data_are_still_recomputed():
+    loader = data((1, 6, 6))
+    net = convnet().double()
+    update_bn(loader, net)
+    net.eval()
+    bnn = bayesify(net, "swag", variant="diag", scale=0.1, snapshot_every_steps=1,
+                   predict_samples=2)
+    result = fit(bnn, loader, epochs=1, progress=False)
+    assert result.history[-1]["swag_batchnorm"] == "recomputed"
+    assert int(bnn.state.value("swag_bn_members")) == 1

@@ -119,6 +119,10 @@ class FitContext(Protocol):
     def source(self) -> BatchSource:
         """:meth:`batches` and :meth:`all_reduce_mean` as a :class:`BatchSource`."""
 
+    def labelled_rows(self, rows: int) -> list[tuple[Any, torch.Tensor]]:
+        """``(model input, labels)`` of this process's share of the first ``rows`` training
+        examples over the ranks (whole batches of its shard, at least one)."""
+
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum over ranks (a rank that does not answer is named in the error)."""
 

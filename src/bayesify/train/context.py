@@ -132,6 +132,24 @@ class TrainContext:
     def source(self) -> BatchSource:
         return BatchSource(batches=self.batches, mean=self.all_reduce_mean)
 
+    def labelled_rows(self, rows: int) -> list[tuple[Any, torch.Tensor]]:
+        """``(model input, labels)`` of this rank's share (``ceil(rows / world size)``) of
+        its contiguous shard of the training loader: whole batches, at least one."""
+        if self.train_loader is None:
+            raise RuntimeError("this fit context has no training loader")
+        quota = -(-rows // max(self.ctx.world_size, 1))
+        out, taken = [], 0
+        for batch in shard_batches(self.train_loader, self.ctx, device=self.bnn.device,
+                                   batch_fn=self.batch_fn):
+            labels = batch.require_labels("fit")
+            if taken and taken + labels.shape[0] > quota:
+                break
+            out.append((batch.model_input(), labels))
+            taken += labels.shape[0]
+            if taken >= quota:
+                break
+        return out
+
     def val_batches(self) -> Iterator[Batch]:
         """This rank's shard of the validation loader, one batch at a time, on the device."""
         if self.val_loader is None:

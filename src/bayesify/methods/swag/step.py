@@ -110,9 +110,11 @@ class SWAGStep(SnapshotStep):
                     value.copy_(layer.moments.mean(key).to(value.device, value.dtype))
         bnn.runtime[state.BN_SOURCE] = ctx.source()
         bnn.state.set("swag_fitted", 1)
+        record = state.choose_batchnorm(bnn, self.config, ctx,
+                                        ctx.labelled_rows(state.BN_ROWS))
         state.store_batchnorm(bnn, self.config)
         return {"snapshots": taken, "rank": post.collected_rank(layers),
-                "scale": state.scale(bnn)}
+                "scale": state.scale(bnn), **record}
 
 
 @torch.no_grad()
