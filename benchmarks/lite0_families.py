@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--families", nargs="+",
                         default=["laplace", "ibnn", "rank1", "batchensemble", "dropout", "abnn",
                                  "ensemble", "meanfield"])
+    parser.add_argument("--no-val", action="store_true",
+                        help="fit without val_loader (the families' guards on training data)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
@@ -91,12 +93,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
         bnn = bayesify(copy.deepcopy(model), family)
-        fit(bnn, train, val_loader=val, progress=False,
-            **({} if family == "laplace" else {"epochs": 1}))
+        result = fit(bnn, train, val_loader=None if args.no_val else val, progress=False,
+                     **({} if family == "laplace" else {"epochs": 1}))
         predictor = bnn.predictor()
         nll, acc = nll_acc(batched(lambda x, p=predictor: p(x).log_probs, xt), yt)
+        last = result.history[-1] if result.history else {}
         rows[family] = {"nll": nll, "acc": acc, "T": float(predictor.temperature),
-                        "fit_seconds": time.perf_counter() - t0}
+                        "fit_seconds": time.perf_counter() - t0,
+                        **{k: last[k] for k in ("kept", "swag_batchnorm",
+                                                "swag_bn_train_accuracy_pretrained",
+                                                "swag_bn_train_accuracy_recomputed")
+                           if k in last}}
         print(f"lite0 {args.classes} classes seed {args.seed} {family:14s} {rows[family]}",
               flush=True)
     out = Path(args.out or Path(__file__).parent / "results"
