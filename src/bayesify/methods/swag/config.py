@@ -61,11 +61,8 @@ class SWAGConfig(MethodConfig):
     )
     bn_update_fraction: float = option(
         1.0, "Fraction of the training batches used to recompute BatchNorm statistics "
-        "after every sampled network (0 keeps the statistics of the mean network). Fit "
-        "trains θ̄ through the pretrained statistics: where recomputed ones cost it more than "
-        "a point of accuracy on 1024 training examples (statistics from other data, e.g. "
-        "ImageNet's under new images), every sampled network keeps the pretrained ones, "
-        "with a warning."
+        "per sampled network (0: the mean's; pretrained where recomputing costs a point "
+        "of training accuracy)."
     )
     predict_samples: int = option(10, "N: sampled networks at prediction ('swa': always 1).")
     min_variance: float = option(1e-30, "Floor of the diagonal variance mean(θ²) − mean(θ)².")

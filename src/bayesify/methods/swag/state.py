@@ -231,7 +231,7 @@ def choose_batchnorm(bnn: BayesianModel, config: SWAGConfig, ctx: Any,
         w.member_var.copy_(w.running_var.expand_as(w.member_var))
     bnn.state.set("swag_bn_members", PRETRAINED_BN)
     forget_batchnorm(bnn)
-    if ctx.is_main:
+    if ctx.rank == 0:
         logger.warning(
             "swag: BatchNorm statistics recomputed from the training data take the SWA mean "
             "from %.4f to %.4f accuracy on %d training examples (more than %g lost): the "
