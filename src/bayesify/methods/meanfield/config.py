@@ -62,6 +62,10 @@ class MeanFieldConfig(WeightPriorConfig):
         "(π_i = 2^(M−i)/(2^M−1) for step i of M per epoch).",
     )
     bias: bool = option(True, "Also put a posterior on the biases of wrapped layers.")
+    per_network: bool = option(
+        True, "δ and the learning rate for the whole network, not per layer: both are divided "
+        "by √L for L wrapped layers (L independent perturbations move the function like one "
+        "of √L times the size; Adam moves every μ by about lr a step whatever its size).")
     rho_lr_scale: float = option(
         1.0, "Learning-rate multiplier of the ρ (std) parameters relative to μ. With Adam a step "
         "changes σ by about lr·scale relatively, so σ needs a larger step than μ to move "

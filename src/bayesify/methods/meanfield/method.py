@@ -6,12 +6,15 @@ import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Step
 from bayesify.core.method import wrapper_table
 from bayesify.errors import BayesifyError
 from bayesify.kit.family import NoiseFamily
+from bayesify.kit.gaussian import inverse_softplus
 from bayesify.kit.knobs import SpreadKnob
 from bayesify.kit.steps import ElboStep, RoundRobin, WeightMembers
 from bayesify.kit.weight_members import export_weight_members
@@ -68,16 +71,46 @@ class MeanFieldMethod(SpreadKnob, NoiseFamily):
     knob_meaning = "multiplier of the weight posterior std; 0 = mean network"
     wrappers: ClassVar = wrapper_table(MeanFieldLayer)
 
+    def build(self, model: nn.Module, targets: list[str],
+              context: SamplingContext) -> dict[str, nn.Module]:
+        """The wrappers; with ``per_network`` (the default) the initial std δ·|w| is divided
+        by √L (L wrapped layers), and so is the learning rate (:meth:`step`).
+
+        On the real EfficientNet-Lite0 (50 wrapped layers, 10-way digit head, 300 training
+        images, no validation) δ = 0.05 per layer put the predictive at 0.63 training accuracy
+        before the first step (the network: 0.99), and ten Adam steps at 1e-3 — every μ moves
+        by about the step size, whatever the weight's size, in the direction of a noisy
+        gradient — took the mean network to 0.44: test accuracy 0.75 against 0.83. ÷√L keeps
+        a network of any depth near its function at the start, as iBNN's spreads."""
+        layers = super().build(model, targets, context)
+        wrapped = [m for m in layers.values() if isinstance(m, MeanFieldLayer)]
+        self.depth = len(wrapped)
+        shrink = self.shrink()
+        if shrink != 1.0:
+            with torch.no_grad():
+                for layer in wrapped:
+                    for rho in (layer.weight_rho, getattr(layer, "bias_rho", None)):
+                        if rho is not None:
+                            rho.copy_(inverse_softplus(F.softplus(rho) * shrink, floor=1e-12))
+        return layers
+
+    def shrink(self) -> float:
+        """1/√L with ``per_network`` and L > 1 wrapped layers, else 1."""
+        depth = getattr(self, "depth", 1)
+        return 1.0 / math.sqrt(depth) if self.config.per_network and depth > 1 else 1.0
+
     def step(self) -> Step:
         cfg: MeanFieldConfig = self.config
         layout = (WeightMembers(cfg.samples) if cfg.sampling == "weights"
                   else RoundRobin(cfg.samples, self.components))
         # lr: μ are the pretrained weights themselves: SGD at 0.01 (momentum 0.9) walked a
         # pretrained BN CNN off its optimum within one epoch (accuracy 0.14 on one seed);
-        # 1e-3 is the fine-tuning step every seed and network tried kept within a point.
+        # 1e-3 is the fine-tuning step every seed and network tried kept within a point
+        # (of ≤ 10 wrapped layers; per network it is 1e-3/√L, see build).
         # clip_grad_norm 1: μ's gradient grows with the logit scale and 1/σ of frozen
         # BatchNorm statistics; unclipped, a BN CNN with 20× logits ended at chance (issue 30)
-        return ElboStep(layout, lr=0.001, kl_weighting=self.kl_weight, groups=self.param_groups,
+        # per network (÷√L, see build)
+        return ElboStep(layout, lr=0.001 * self.shrink(), kl_weighting=self.kl_weight, groups=self.param_groups,
                         defaults={"clip_grad_norm": 1.0})
 
     def kl_weight(self, step: int, steps_per_epoch: int) -> float:
