@@ -81,6 +81,7 @@ from bayesify.train.hooks import (
 from bayesify.train.options import validate_fit_options
 from bayesify.train.schedules import parse_schedule
 from bayesify.train.spread_guard import guard_spread
+from bayesify.train.start_guard import StartGuard
 from bayesify.train.steps import (
     SeededCompiledForward,
     TrainForward,
@@ -290,6 +291,7 @@ def fit(
                          val_every=val_every, samples_per_component=val_samples_per_component)
         best = BestState(state, start, fresh=payload is None, batch_fn=batch_fn,
                          samples_per_component=val_samples_per_component)
+        start_guard = StartGuard(state, fresh=payload is None)  # without a val_loader
         validate = functools.partial(evaluation.evaluate_sharded, bnn, val_loader, ctx,
                                      samples_per_component=val_samples_per_component,
                                      amp=state.amp, channels_last=channels_last,
@@ -316,7 +318,12 @@ def fit(
                         if laplace_heads.enabled(bnn):
                             record.update(laplace_heads.skipped(method.name))
                         if step.optimizes:  # no validation: the spread keeps the accuracy
-                            record.update(guard_spread(state, method.knobs(bnn)))
+                            def guard() -> dict[str, Any]:
+                                return guard_spread(state, method.knobs(bnn))
+
+                            record.update(guard())
+                            # and the end keeps the start's training accuracy
+                            start_guard.finish(record, method.name, guard)
             if val_loader is not None and clock.should_validate(record, epoch=state.epoch,
                                                                 is_last=is_last):
                 began = time.perf_counter()
