@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         last = result.history[-1] if result.history else {}
         rows[family] = {"nll": nll, "acc": acc, "T": float(predictor.temperature),
                         "fit_seconds": time.perf_counter() - t0,
-                        **{k: last[k] for k in ("kept", "swag_batchnorm",
+                        **{k: last[k] for k in ("kept", "swag_batchnorm", "start_train_accuracy",
+                                                "end_train_accuracy",
                                                 "swag_bn_train_accuracy_pretrained",
                                                 "swag_bn_train_accuracy_recomputed")
                            if k in last}}

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify.core.batch import call_model
+from bayesify.core.checks import explain_shapes
 from bayesify.core.outputs import logits_of
 from bayesify.train.best import ACCURACY_MARGIN, FLIPPED_EXAMPLES, _snapshot
 
@@ -91,7 +92,12 @@ class StartGuard:
             for x, y in self.rows:
                 if deterministic:
                     with bnn.deterministic():
-                        decided = logits_of(call_model(bnn.model, x)).argmax(-1)
+                        try:
+                            decided = logits_of(call_model(bnn.model, x)).argmax(-1)
+                        except Exception:  # a shape mistake is named as fit's first step names it
+                            explain_shapes(bnn.model, lambda x=x: call_model(bnn.model, x),
+                                           inputs=x, where="fit")
+                            raise
                 else:
                     decided = bnn.predictive(x, seed=0).probs.argmax(-1)
                 total += float((decided == y.to(decided.device)).sum())
