@@ -60,6 +60,12 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session8.md", "A real network without validation data: SWAG's BatchNorm "
+             "statistics chosen by the training labels, Bayes by Backprop per network, the "
+             "start guard", "python benchmarks/lite0_families.py --classes 10 --seed S "
+             "[--no-val] --families ...; python benchmarks/quality.py --seeds 0 --methods "
+             "meanfield --variant meanfield-per-layer meanfield per_network=False; the text is "
+             "written by hand"),
         Part("session7.md", "MultiSWAG, fine-tuned copies of one network against a deep "
              "ensemble; every family on the real EfficientNet-Lite0 (10 classes); the demo's "
              "AUROC", "BAYESIFY_BENCH_CACHE=cache python benchmarks/multiswag31.py --protocol "

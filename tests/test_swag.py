@@ -314,13 +314,15 @@ def test_statistics_from_other_data_are_kept_when_recomputing_costs_training_acc
     again = load_posterior(_foreign_statistics_net(loader), tmp_path / "post")
     with torch.no_grad():
         torch.testing.assert_close(again.predictor(temperature=1.0)(x).probs, probs)
-    # the rule is what keeps them: accepting any loss, the recomputed statistics cost accuracy
+    # the rule is what keeps them: accepting any loss, the recomputed statistics cost the
+    # training accuracy, and only fit's start guard (no validation data) saves the run by
+    # handing back the starting network
     monkeypatch.setattr(swag_state, "BN_TOLERANCE", 1.0)
     bnn2 = _still_swag(_foreign_statistics_net(loader))
-    assert fit(bnn2, loader, epochs=1, progress=False).history[-1]["swag_batchnorm"] == "recomputed"
-    with torch.no_grad():
-        recomputed = bnn2.predictor(temperature=1.0)(x).probs.argmax(-1)
-    assert float((recomputed == y).double().mean()) < start_acc - 0.05
+    last = fit(bnn2, loader, epochs=1, progress=False).history[-1]
+    assert last["swag_batchnorm"] == "recomputed"
+    assert last["end_train_accuracy"] < last["start_train_accuracy"] - 0.05
+    assert last["kept"] == "start"
 
 
 def test_statistics_of_the_training_data_are_still_recomputed():
