@@ -242,11 +242,10 @@ def test_default_ibnn_predictive_at_step_0_is_the_pretrained_networks(lite0, cro
     assert moved[False] > 3 * moved[True], moved
 
 
-def test_default_meanfield_is_per_network_spread_and_rate(lite0, crops):
-    """Bayes by Backprop's δ·|w| and its Adam step are the whole network's (÷√L): per layer,
-    the 50 layers' independent weight noise put a 10-way Lite0 head at 0.63 training accuracy
-    before the first step (the network: 0.99), and ten steps at 1e-3 moved every μ by about
-    the step whatever its size, taking the mean network to 0.44."""
+def test_meanfield_per_network_spread_and_rate(lite0, crops):
+    """With ``per_network`` Bayes by Backprop's δ·|w| and its Adam step are the whole
+    network's (÷√L): per layer (the default), the 50 layers' independent weight noise put a
+    10-way Lite0 head at 0.63 training accuracy before the first step (the network: 0.99)."""
     x = crops["val"][0]
     with torch.no_grad():
         base = torch.softmax(lite0(x), -1)

@@ -88,13 +88,13 @@ def test_init_at_pretrained_and_kl_summed() -> None:
     layer = bnn.model.conv
     assert isinstance(layer, MeanFieldLayer)
     assert torch.equal(layer.weight_mu, model.conv.weight)
-    # per_network (the default): δ is the network's, δ/√L per layer of L wrapped layers
+    torch.testing.assert_close(layer.weight_std, 0.1 * model.conv.weight.abs().clamp_min(1e-3))
+    # per_network: δ is the network's, δ/√L per layer of L wrapped layers
     depth = len(bnn.bayesian_layers())
     assert depth > 1
-    torch.testing.assert_close(layer.weight_std,
+    whole = bayesify(_tiny(), "meanfield", delta=0.1, per_network=True).model.conv
+    torch.testing.assert_close(whole.weight_std,
                                0.1 / depth**0.5 * model.conv.weight.abs().clamp_min(1e-3))
-    per_layer = bayesify(_tiny(), "meanfield", delta=0.1, per_network=False).model.conv
-    torch.testing.assert_close(per_layer.weight_std, 0.1 * model.conv.weight.abs().clamp_min(1e-3))
     # the base weights are not posterior parameters and stay frozen
     names = [n for n, _ in bnn.named_posterior_parameters()]
     assert "conv.weight_mu" in names and not any(n.endswith(".weight") for n in names)

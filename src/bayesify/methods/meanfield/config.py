@@ -63,9 +63,10 @@ class MeanFieldConfig(WeightPriorConfig):
     )
     bias: bool = option(True, "Also put a posterior on the biases of wrapped layers.")
     per_network: bool = option(
-        True, "δ and the learning rate for the whole network, not per layer: both are divided "
-        "by √L for L wrapped layers (L independent perturbations move the function like one "
-        "of √L times the size; Adam moves every μ by about lr a step whatever its size).")
+        False, "δ and the learning rate for the whole network, not per layer: both divided by "
+        "√L for L wrapped layers. Not the default: on the real EfficientNet-Lite0 it kept a "
+        "fit worse than the network's Laplace heads (per layer, the fit collapses and is "
+        "replaced by the start: benchmarks/results/session8.md).")
     rho_lr_scale: float = option(
         1.0, "Learning-rate multiplier of the ρ (std) parameters relative to μ. With Adam a step "
         "changes σ by about lr·scale relatively, so σ needs a larger step than μ to move "
