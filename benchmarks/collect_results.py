@@ -61,8 +61,8 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
         Part("session8.md", "A real network without validation data: SWAG's BatchNorm "
-             "statistics chosen by the training labels, Bayes by Backprop per network, the "
-             "start guard", "python benchmarks/lite0_families.py --classes 10 --seed S "
+             "statistics chosen by the training labels, the start guard, Bayes by Backprop "
+             "per network (tried), MNF diagnosed", "python benchmarks/lite0_families.py --classes 10 --seed S "
              "[--no-val] --families ...; python benchmarks/quality.py --seeds 0 --methods "
              "meanfield --variant meanfield-per-layer meanfield per_network=False; the text is "
              "written by hand"),
