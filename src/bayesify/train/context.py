@@ -23,7 +23,7 @@ from torch import nn
 from bayesify.core.batch import Batch, BatchFn
 from bayesify.core.fitting import BatchSource, Knob, Step
 from bayesify.train import steps
-from bayesify.train.data import TrainData, epoch_batches, shard_batches
+from bayesify.train.data import TrainData, epoch_batches, first_rows, shard_batches
 from bayesify.train.distributed import DistContext, all_reduce_mean, all_reduce_sum
 from bayesify.train.tuning import installed_scores, search_knobs
 
@@ -137,18 +137,9 @@ class TrainContext:
         its contiguous shard of the training loader: whole batches, at least one."""
         if self.train_loader is None:
             raise RuntimeError("this fit context has no training loader")
-        quota = -(-rows // max(self.ctx.world_size, 1))
-        out, taken = [], 0
-        for batch in shard_batches(self.train_loader, self.ctx, device=self.bnn.device,
-                                   batch_fn=self.batch_fn):
-            labels = batch.require_labels("fit")
-            if taken and taken + labels.shape[0] > quota:
-                break
-            out.append((batch.model_input(), labels))
-            taken += labels.shape[0]
-            if taken >= quota:
-                break
-        return out
+        return first_rows(shard_batches(self.train_loader, self.ctx, device=self.bnn.device,
+                                        batch_fn=self.batch_fn),
+                          -(-rows // max(self.ctx.world_size, 1)))
 
     def val_batches(self) -> Iterator[Batch]:
         """This rank's shard of the validation loader, one batch at a time, on the device."""

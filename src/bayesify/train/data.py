@@ -290,3 +290,18 @@ def training_set_size(loader: Iterable, *, batch_fn: BatchFn | None = None) -> i
         f"the posterior), but a {type(loader).__name__} has no .dataset to count: pass "
         f"fit(..., n_train=N){count}, or give fit a torch DataLoader"
     )
+
+
+def first_rows(batches: Iterable[Batch], quota: int) -> list[tuple[Any, torch.Tensor]]:
+    """``(model input, labels)`` of the first ``quota`` labelled examples of ``batches``:
+    whole batches, at least one (the accuracy guards of fits without validation)."""
+    rows, taken = [], 0
+    for batch in batches:
+        labels = batch.require_labels("fit")
+        if taken and taken + labels.shape[0] > quota:
+            break
+        rows.append((batch.model_input(), labels))
+        taken += labels.shape[0]
+        if taken >= quota:
+            break
+    return rows

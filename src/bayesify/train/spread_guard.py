@@ -29,7 +29,7 @@ import torch
 
 from bayesify.kit import laplace_heads
 from bayesify.kit.steps import keeps_accuracy
-from bayesify.train.data import epoch_batches
+from bayesify.train.data import epoch_batches, first_rows
 
 if TYPE_CHECKING:
     from bayesify.core.fitting import Knob
@@ -66,18 +66,10 @@ def _rows(state: TrainContext) -> list[tuple[Any, torch.Tensor]]:
     """This process's share of the first :data:`GUARD_ROWS` training examples of the last
     epoch's order (whole batches, at least one): ``GUARD_ROWS / world size`` each, so that
     ``torchrun`` counts the examples one process would."""
-    bnn, rows, taken = state.bnn, [], 0
     quota = math.ceil(GUARD_ROWS / max(state.ctx.world_size, 1))
     state.data.set_epoch(max(state.epoch, 0))
-    for batch in epoch_batches(state.data, device=bnn.device, batch_fn=state.batch_fn):
-        labels = batch.require_labels("fit")
-        if taken and taken + labels.shape[0] > quota:
-            break
-        rows.append((batch.model_input(), labels))
-        taken += labels.shape[0]
-        if taken >= quota:
-            break
-    return rows
+    return first_rows(epoch_batches(state.data, device=state.bnn.device,
+                                    batch_fn=state.batch_fn), quota)
 
 
 def _correct(bnn: Any, rows: list[tuple[Any, torch.Tensor]], samples: int | None) -> float:

@@ -111,12 +111,11 @@ class MeanFieldMethod(SpreadKnob, NoiseFamily):
         # lr: μ are the pretrained weights themselves: SGD at 0.01 (momentum 0.9) walked a
         # pretrained BN CNN off its optimum within one epoch (accuracy 0.14 on one seed);
         # 1e-3 is the fine-tuning step every seed and network tried kept within a point
-        # (of ≤ 10 wrapped layers; per network it is 1e-3/√L, see build).
+        # (with per_network: 1e-3/√L, see build).
         # clip_grad_norm 1: μ's gradient grows with the logit scale and 1/σ of frozen
         # BatchNorm statistics; unclipped, a BN CNN with 20× logits ended at chance (issue 30)
-        # per network (÷√L, see build)
-        return ElboStep(layout, lr=0.001 * self.shrink(), kl_weighting=self.kl_weight, groups=self.param_groups,
-                        defaults={"clip_grad_norm": 1.0})
+        return ElboStep(layout, lr=0.001 * self.shrink(), kl_weighting=self.kl_weight,
+                        groups=self.param_groups, defaults={"clip_grad_norm": 1.0})
 
     def kl_weight(self, step: int, steps_per_epoch: int) -> float:
         """Minibatch KL multiplier (see :func:`minibatch_kl_weight`)."""
