@@ -162,3 +162,15 @@ def digits_classifier(*, seed: int = 0, epochs: int = 6) -> tuple[nn.Module, Dat
     torch.manual_seed(seed)
     model = train_map(DigitsCNN(splits.num_classes), loaders["train"], epochs=epochs, seed=seed)
     return model, loaders["train"], loaders["val"]
+
+
+def fit_full_batch(net: nn.Module, params, x: torch.Tensor, y: torch.Tensor, *, lr: float,
+                   steps: int = 300) -> nn.Module:
+    """``steps`` full-batch Adam steps of cross-entropy on ``(x, y)`` over ``params`` (the
+    network stays in the mode it is in: eval keeps BatchNorm statistics frozen)."""
+    opt = torch.optim.Adam(params, lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return net.eval()

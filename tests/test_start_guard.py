@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import bayesify, fit
 from bayesify.train import start_guard
+from tests.pretrained_nets import fit_full_batch
 
 
 def _task(n: int = 200) -> DataLoader:
@@ -25,13 +26,7 @@ def _task(n: int = 200) -> DataLoader:
 def _pretrained(loader: DataLoader) -> nn.Module:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 3))
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    x, y = loader.dataset.tensors
-    for _ in range(300):
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-    return net.eval()
+    return fit_full_batch(net, net.parameters(), *loader.dataset.tensors, lr=1e-2)
 
 
 def _accuracy(bnn, loader: DataLoader) -> float:

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from bayesify import BayesifyError, bayesify, fit, load_posterior
 from bayesify.methods.swag import posterior as swag_posterior
 from bayesify.methods.swag import state as swag_state
+from tests.pretrained_nets import fit_full_batch
 
 
 def mlp() -> nn.Module:
@@ -261,14 +262,7 @@ def _foreign_statistics_net(loader: DataLoader) -> nn.Module:
                 m.running_var.mul_(torch.exp(2.0 * torch.randn(shape, generator=g,
                                                                dtype=torch.float64)))
     net.eval()
-    head = net[-1]
-    opt = torch.optim.Adam(head.parameters(), lr=0.05)
-    x, y = loader.dataset.tensors
-    for _ in range(300):
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-    return net.eval()
+    return fit_full_batch(net, net[-1].parameters(), *loader.dataset.tensors, lr=0.05)
 
 
 def _probe_task() -> DataLoader:
