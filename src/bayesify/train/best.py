@@ -110,10 +110,12 @@ def adopt_search(record: dict[str, Any], search: dict[str, Any],
                    "kept_val_accuracy": metrics["val_accuracy"]})
 
 
-def _snapshot(bnn: BayesianModel) -> dict[str, torch.Tensor]:
-    """Copies of every tensor a fit can change (trainable parameters and all buffers)."""
+def _snapshot(bnn: BayesianModel, device: str | None = None) -> dict[str, torch.Tensor]:
+    """Copies of every tensor a fit can change (trainable parameters and all buffers), on
+    ``device`` (``None``: where they are)."""
     frozen = {name for name, p in bnn.named_parameters() if not p.requires_grad}
-    return {k: v.detach().clone() for k, v in bnn.state_dict().items() if k not in frozen}
+    return {k: v.detach().to(device or v.device, copy=True)
+            for k, v in bnn.state_dict().items() if k not in frozen}
 
 
 class BestState:

@@ -67,10 +67,10 @@ class StartGuard:
             return
         self.rows = state.labelled_rows(ROWS)
         network = getattr(step, "network_state", None)  # the start as the network itself
-        if trains:
-            self.initial = _snapshot(bnn)
+        if trains:  # held on the CPU for the whole fit (an ensemble's copies are its size)
+            self.initial = _snapshot(bnn, device="cpu")
             if network is not None:
-                self.initial.update(network(bnn))
+                self.initial.update({k: v.to("cpu") for k, v in network(bnn).items()})
         else:
             self.start_state = start_state
         current = _snapshot(bnn) if network is not None else None
