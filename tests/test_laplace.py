@@ -274,7 +274,7 @@ def test_without_validation_the_evidence_tau_is_raised_until_the_argmax_holds(on
     """A 1000-way head fitted on 10 classes (an ImageNet head on a few classes): the 990
     classes the data never shows keep the prior's spread, and at the evidence's τ the
     probit flips 7 of 300 validation examples to a seen competitor (0.850 vs the start's
-    0.873). ``keep_accuracy`` raises τ until the training argmax holds; None keeps the
+    0.873). ``keep_accuracy`` raises τ until the training accuracy holds; None keeps the
     evidence's τ."""
     from stress_nets import bn_cnn
     from test_defaults import base_metrics, bnn_metrics
@@ -290,6 +290,6 @@ def test_without_validation_the_evidence_tau_is_raised_until_the_argmax_holds(on
     tau = float(guarded.method.prior_precision(guarded))
     assert record["marglik_prior_precision"] == pytest.approx(tau_plain, rel=1e-6)
     assert tau > 3 * tau_plain
-    assert record["guard_train_accuracy"] >= record["guard_train_accuracy_map"] - 0.01
+    assert record["guard_train_accuracy"] >= record["guard_train_accuracy_map"]
     assert bnn_metrics(plain, val)[0] < acc0 - 0.015  # the flips the guard prevents
     assert bnn_metrics(guarded, val)[0] >= acc0 - 0.01

@@ -532,7 +532,9 @@ def test_every_family_with_defaults_on_every_trap(method, net, use_val, library_
     acc, nll, _ = bnn_metrics(bnn, val)
     row = {"method": method, "net": net, "val": use_val, "seed": SEED, "acc0": acc0,
            "nll0": nll0, "nll0_t": nll0_t, "nll0_t1": nll0_t1, "acc": acc, "nll": nll, "n": n,
-           "kept": result.last.get("kept"), "seconds": time.perf_counter() - began}
+           "kept": result.last.get("kept"), "seconds": time.perf_counter() - began,
+           "record": {k: v for k, v in result.last.items()
+                      if isinstance(v, (int, float, str, bool)) or v is None}}
     if held is not None:
         test_acc, test_nll, _ = bnn_metrics(bnn, held[0])
         row.update(held[1], test_acc=test_acc, test_nll=test_nll)

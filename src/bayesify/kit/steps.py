@@ -215,6 +215,21 @@ class NothingToTrainStep(CurvatureStep):
         return None
 
 
+def count_correct(module: torch.nn.Module, rows: list[tuple[Any, torch.Tensor]],
+                  scores: Callable[[Any], torch.Tensor], device: torch.device) -> float:
+    """Correct decisions on labelled ``rows`` ``(model input, labels)`` of this process: the
+    argmax of ``scores(x)`` (logits or probabilities of ``x`` moved to ``device``), with
+    ``module`` in eval mode (its mode restored) — the counts the accuracy guards of fits
+    without validation pass to :func:`keeps_accuracy`."""
+    was_training = module.training
+    module.eval()
+    try:
+        return float(sum(int((scores(x.to(device)).argmax(-1) == y.to(device)).sum())
+                         for x, y in rows))
+    finally:
+        module.train(was_training)
+
+
 def keeps_accuracy(ctx: FitContext, counts: torch.Tensor,
                    tolerance: float) -> tuple[int | None, list[float], int] | None:
     """The accuracy guards of fits without validation (Laplace's τ, post-hoc dropout's rate):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify.kit import laplace_heads
-from bayesify.kit.steps import keeps_accuracy
+from bayesify.kit.steps import count_correct, keeps_accuracy
 from bayesify.train.data import epoch_batches, first_rows
 
 if TYPE_CHECKING:
@@ -73,8 +73,8 @@ def _rows(state: TrainContext) -> list[tuple[Any, torch.Tensor]]:
 
 
 def _correct(bnn: Any, rows: list[tuple[Any, torch.Tensor]], samples: int | None) -> float:
-    return float(sum(int((bnn.predictive(x, samples_per_component=samples, seed=0).probs
-                          .argmax(-1) == y).sum()) for x, y in rows))
+    return count_correct(bnn, rows, lambda x: bnn.predictive(
+        x, samples_per_component=samples, seed=0).probs, bnn.device)
 
 
 def _guard_one(state: TrainContext, knob: Knob, rows: list[tuple[Any, torch.Tensor]],

@@ -30,6 +30,7 @@ import torch
 from bayesify.core.batch import call_model
 from bayesify.core.checks import explain_shapes
 from bayesify.core.outputs import logits_of
+from bayesify.kit.steps import count_correct
 from bayesify.train.best import ACCURACY_MARGIN, FLIPPED_EXAMPLES, _snapshot
 
 if TYPE_CHECKING:
@@ -87,26 +88,20 @@ class StartGuard:
     @torch.no_grad()
     def _correct(self, *, deterministic: bool) -> float:
         bnn = self.state.bnn
-        was_training = bnn.training
-        bnn.eval()
-        try:
-            total = 0.0
-            for x, y in self.rows:
-                x, y = x.to(bnn.device), y.to(bnn.device)
-                if deterministic:
-                    with bnn.deterministic():
-                        try:
-                            decided = logits_of(call_model(bnn.model, x)).argmax(-1)
-                        except Exception:  # a shape mistake is named as fit's first step names it
-                            explain_shapes(bnn.model, lambda x=x: call_model(bnn.model, x),
-                                           inputs=x, where="fit")
-                            raise
-                else:
-                    decided = bnn.predictive(x, seed=0).probs.argmax(-1)
-                total += float((decided == y).sum())
-            return total
-        finally:
-            bnn.train(was_training)
+        if not deterministic:
+            return count_correct(bnn, self.rows, lambda x: bnn.predictive(x, seed=0).probs,
+                                 bnn.device)
+
+        def logits(x: Any) -> torch.Tensor:
+            with bnn.deterministic():
+                try:
+                    return logits_of(call_model(bnn.model, x))
+                except Exception:  # a shape mistake is named as fit's first step names it
+                    explain_shapes(bnn.model, lambda: call_model(bnn.model, x), inputs=x,
+                                   where="fit")
+                    raise
+
+        return count_correct(bnn, self.rows, logits, bnn.device)
 
     def finish(self, record: dict[str, Any], family: str,
                guard: Callable[[], dict[str, Any]]) -> None:

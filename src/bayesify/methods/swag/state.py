@@ -20,7 +20,7 @@ from bayesify.core.batch import call_model
 from bayesify.core.names import base_name
 from bayesify.core.outputs import logits_of
 from bayesify.errors import BayesifyError
-from bayesify.kit.steps import keeps_accuracy
+from bayesify.kit.steps import count_correct, keeps_accuracy
 from bayesify.methods.swag import posterior as post
 from bayesify.methods.swag.batchnorm import recompute_batchnorm
 from bayesify.methods.swag.config import SWAGConfig
@@ -205,19 +205,16 @@ def choose_batchnorm(bnn: BayesianModel, config: SWAGConfig, ctx: Any,
     pretrained = {f"{n}.{k}": getattr(w.base_layer, k).detach().clone()
                   for n, w in wrappers.items() for k in ("running_mean", "running_var")}
     recomputed = recompute(bnn, config, {})
-    was_training = bnn.model.training
-    bnn.model.eval()
     counts = torch.zeros(3, dtype=torch.float64, device=bnn.device)
     try:
         for which, stats in enumerate((pretrained, recomputed)):
             _install(wrappers, stats)
-            for x, y in rows:
-                correct = logits_of(call_model(bnn.model, x)).argmax(-1) == y.to(bnn.device)
-                counts[which] += float(correct.sum())
+            counts[which] = count_correct(bnn.model, rows,
+                                          lambda x: logits_of(call_model(bnn.model, x)),
+                                          bnn.device)
         counts[2] = float(sum(y.shape[0] for _, y in rows))
     finally:
         _install(wrappers, pretrained)  # θ̄'s statistics are decided below
-        bnn.model.train(was_training)
     guard = keeps_accuracy(ctx, counts, BN_TOLERANCE)  # counts summed over the ranks
     if guard is None:  # no labelled rows on any rank: SWA's rule
         return {}
