@@ -260,7 +260,7 @@ def test_pt2_export_is_quiet(tmp_path):
     from bayesify.predict.export import build_exported_predictor, export_program
     from tests.test_registry_state import loader
 
-    bnn = bayesify(model(), "laplace")
+    bnn = bayesify(model(), "laplace", structure="kron")  # its tensors share one storage
     fit(bnn, loader(), progress=False)
     x = torch.rand(2, 1, 8, 8)
     with warnings.catch_warnings(record=True) as bare:

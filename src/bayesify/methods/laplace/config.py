@@ -7,9 +7,20 @@ from typing import Any
 
 from bayesify.core.config import MethodConfig, option, require
 
-STRUCTURES = ("kron", "diag", "full")
+STRUCTURES = ("auto", "kron", "diag", "full")
+#: ``structure='auto'``: the exact last-layer GGN up to this many parameters, KFAC above
+AUTO_FULL_PARAMS = 5000
 LINKS = ("probit", "mc", "bridge")
 PRIOR_METHODS = ("auto", "marglik", "val_nll", "fixed")
+
+
+def auto_structure(classifier: Any) -> str:
+    """What ``structure='auto'`` resolves to for the one Linear target ``classifier`` (None:
+    a subnetwork)."""
+    if classifier is None:
+        return "diag"
+    params = sum(p.numel() for p in classifier.parameters())
+    return "full" if params <= AUTO_FULL_PARAMS else "kron"
 
 
 @dataclass(frozen=True)
@@ -21,8 +32,10 @@ class LaplaceConfig(MethodConfig):
         "subnetwork ('all', 'last:K', names) with structure='diag'."
     )
     structure: str = option(
-        "kron", "Hessian structure: 'kron' (KFAC G ⊗ A / N), 'diag' or 'full'. kron and full "
-        "need a single Linear classifier target; diag works for any subnetwork."
+        "auto", "Hessian structure: 'kron' (KFAC G ⊗ A / N), 'diag', 'full' (exact GGN; "
+        "one Linear target each), or 'auto': full for a classifier of ≤ 5000 parameters "
+        "(better shift NLL and OOD AUROC than kron at the same clean NLL), kron above, diag "
+        "for a subnetwork."
     )
     prior_precision: float = option(1.0, "τ: initial (or, with prior_method='fixed', final) prior precision.")
     prior_method: str = option(
@@ -106,4 +119,4 @@ class LaplaceConfig(MethodConfig):
         require(self.jacobian_chunk > 0, f"jacobian_chunk must be > 0, got {self.jacobian_chunk}")
         require(not self.laplace_heads,
                 "laplace_heads=True puts a last-layer Laplace on another family's members; the "
-                "laplace family is one already (use structure='kron', targets='last_layer')")
+                "laplace family is one already (use targets='last_layer')")

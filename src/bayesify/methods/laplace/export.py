@@ -91,14 +91,7 @@ class LastLayerLaplace(nn.Module):
         if self.structure == "diag":
             diag = feats.square() @ self.inv_h.T
             return diag, diag, diag.sum(-1)
-        # Σ_de ã_d M[c, d, e] ã_e as two matmuls (an einsum over three operands makes
-        # torch.export specialise the batch size)
-        c, d = self.cov_blocks.shape[0], self.cov_blocks.shape[1]
-        diag = ((feats @ self.cov_blocks.permute(1, 0, 2).reshape(d, c * d)).view(-1, c, d)
-                * feats.unsqueeze(1)).sum(-1)
-        rowsum = ((feats @ self.cov_rows.permute(1, 0, 2).reshape(d, c * d)).view(-1, c, d)
-                  * feats.unsqueeze(1)).sum(-1)
-        return diag, rowsum, rowsum.sum(-1)
+        return post.full_blocks_variance(feats, self.cov_blocks, self.cov_rows)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         logits = logits_of(self.model(*args, **kwargs))
@@ -132,10 +125,8 @@ def _last_layer_tensors(posterior: object, structure: str, link: str, tau: torch
                     "q_g_sum": posterior.q_g.sum(0)}
         if structure == "diag":
             return {"inv_h": 1.0 / (posterior.h + tau)}
-        c, d = posterior.mean.shape
-        cov = posterior.covariance(tau)[0].view(c, d, c, d)
-        return {"cov_blocks": cov.diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous(),
-                "cov_rows": cov.sum(2).contiguous()}
+        blocks, rows = posterior.blocks(tau)
+        return {"cov_blocks": blocks, "cov_rows": rows}
 
 
 def export_laplace(bnn: BayesianModel, config: LaplaceConfig, *, samples_per_component: int,

@@ -14,6 +14,8 @@ logits *are* the log predictive probabilities; for MC, M samples of the GLM.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -31,7 +33,7 @@ from bayesify.errors import BayesifyError
 from bayesify.methods.laplace import curvature as curv
 from bayesify.methods.laplace import posterior as post
 from bayesify.methods.laplace import state
-from bayesify.methods.laplace.config import LaplaceConfig
+from bayesify.methods.laplace.config import AUTO_FULL_PARAMS, LaplaceConfig, auto_structure
 from bayesify.methods.laplace.export import export_laplace
 from bayesify.methods.laplace.layers import LaplaceLayer
 from bayesify.methods.laplace.step import LaplaceStep
@@ -39,12 +41,14 @@ from bayesify.methods.laplace.step import LaplaceStep
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
+logger = logging.getLogger(__name__)
+
 
 class LaplaceMethod(Method):
     """Laplace approximation around the pretrained (MAP) weights; post-hoc."""
 
     laplace_heads_unsupported: ClassVar[str] = (
-        "it is a last-layer Laplace already (structure='kron', targets='last_layer')")
+        "it is a last-layer Laplace already (targets='last_layer')")
 
     name = "laplace"
     config_cls = LaplaceConfig
@@ -58,9 +62,18 @@ class LaplaceMethod(Method):
     # -- structure and training --------------------------------------------------------
     def build(self, model: nn.Module, targets: list[str],
               context: SamplingContext) -> dict[str, nn.Module]:
-        """Refuses kron/full on anything but one Linear target, then wraps the targets."""
+        """Resolves ``structure='auto'`` (the config then holds what was chosen, so a saved
+        posterior names it), refuses kron/full on anything but one Linear target, then wraps
+        the targets."""
         modules = dict(model.named_modules())
         single_linear = len(targets) == 1 and isinstance(modules[targets[0]], nn.Linear)
+        if self.config.structure == "auto":
+            chosen = auto_structure(modules[targets[0]] if single_linear else None)
+            logger.info("laplace: structure='auto' → %r (%s)", chosen,
+                        "a subnetwork" if not single_linear else
+                        f"{sum(p.numel() for p in modules[targets[0]].parameters())} "
+                        f"last-layer parameters; full up to {AUTO_FULL_PARAMS}")
+            self.config = dataclasses.replace(self.config, structure=chosen)
         if self.config.structure in ("kron", "full") and not single_linear:
             raise BayesifyError(
                 f"structure={self.config.structure!r} needs exactly one Linear target (the "
@@ -99,14 +112,13 @@ class LaplaceMethod(Method):
         with model_lock(bnn):
             logits, feats = self._last_layer_features(bnn, x)
         posterior = self.posterior(bnn)
-        out = []
-        for tau in taus:
-            diag, rowsum, total = posterior.functional_variance(
-                feats, torch.as_tensor(tau, dtype=feats.dtype, device=feats.device))
-            out.append(Prediction(mean=logits.float(), variance=diag.float(),
-                                  link=self.config.link, rowsum=rowsum.float(),
-                                  total=total.float()).raw_log_probs)
-        return out
+        values = [torch.as_tensor(tau, dtype=feats.dtype, device=feats.device) for tau in taus]
+        many = getattr(posterior, "functional_variances", None)  # one projection for all τ
+        variances = (many(feats, values) if many is not None
+                     else [posterior.functional_variance(feats, tau) for tau in values])
+        return [Prediction(mean=logits.float(), variance=diag.float(), link=self.config.link,
+                           rowsum=rowsum.float(), total=total.float()).raw_log_probs
+                for diag, rowsum, total in variances]
 
     # -- the fitted posterior (views over bnn.state and the layers' buffers) ---------------
     def posterior(self, bnn: BayesianModel) -> Any:

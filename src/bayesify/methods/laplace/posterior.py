@@ -91,13 +91,48 @@ class LastLayerDiag:
         return self.mean + z / torch.sqrt(self.h + tau)
 
 
+def full_blocks(cov: torch.Tensor, c: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Σ [P, P]`` over vec([W | b]) (P = C·D') → ``(Σ_cc [C, D', D'], Σ_c· 1 [C, D', D'])``:
+    the diagonal class blocks and the blocks summed over the second class."""
+    cov = cov.view(c, d, c, d)
+    return cov.diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous(), cov.sum(2).contiguous()
+
+
+def full_blocks_variance(feats: torch.Tensor, blocks: torch.Tensor,
+                         rows: torch.Tensor) -> FunctionalVariance:
+    """``Σ_de ã_d M[c, d, e] ã_e`` for both :func:`full_blocks` as two matmuls (an einsum
+    over three operands makes torch.export specialise the batch size); in process and in
+    the exported module alike."""
+    c, d = blocks.shape[0], blocks.shape[1]
+    diag = ((feats @ blocks.permute(1, 0, 2).reshape(d, c * d)).view(-1, c, d)
+            * feats.unsqueeze(1)).sum(-1)
+    rowsum = ((feats @ rows.permute(1, 0, 2).reshape(d, c * d)).view(-1, c, d)
+              * feats.unsqueeze(1)).sum(-1)
+    return diag, rowsum, rowsum.sum(-1)
+
+
 class LastLayerFull:
-    """Precision ``H + τI`` with the full ``[P, P]`` GGN over θ = vec([W | b])."""
+    """Precision ``H + τI`` with the full ``[P, P]`` GGN over θ = vec([W | b]).
+
+    ``H = Q diag(λ) Qᵀ`` is decomposed once per fit; every τ then costs no factorisation:
+    ``log|H + τI| = Σ log(λ + τ)`` and, with ``u = Qᵀ (I ⊗ ã)`` ``[P, C]`` per example,
+    ``Σ_f = uᵀ diag(1/(λ + τ)) u`` — so the search scores its whole τ grid from one
+    projection of the features (:meth:`functional_variances`), and the evidence's Adam steps
+    on log τ cost no Cholesky each.
+    """
+
+    #: bound on B·P·C elements of one chunk of projected features ``u``
+    CHUNK = 2**24
 
     def __init__(self, layer: LaplaceLayer) -> None:
         self.layer = layer
         self.h = layer.ggn_full
         self.mean = layer.map_weights().detach()
+        # float64 where it is cheap (the small eigenvalues set the broadest τ's variance)
+        exact = self.h.double() if self.h.shape[0] <= 2048 else self.h
+        eig, q = torch.linalg.eigh(exact)
+        self.eig = eig.clamp_min(0).to(self.h.dtype)  # H is PSD: rounding below 0 is noise
+        self.q = q.to(self.h.dtype)
         self._cache: tuple[float, torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -105,31 +140,51 @@ class LastLayerFull:
         return self.h.shape[0]
 
     def precision(self, tau: torch.Tensor) -> torch.Tensor:
+        """Dense ``[P, P]`` precision (tests)."""
         return self.h + tau * torch.eye(self.h.shape[0], dtype=self.h.dtype, device=self.h.device)
 
     def log_det(self, tau: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.cholesky(self.precision(tau)).diagonal().log().sum() * 2
+        return torch.log(self.eig + tau).sum()
 
     def covariance(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(Σ [P, P], chol(Σ))``, cached per τ value."""
-        key = float(tau)
+        """``(Σ [P, P], R)`` with ``R Rᵀ = Σ`` (``R = Q diag(1/√(λ + τ))``)."""
+        root = self.q * torch.rsqrt(self.eig + tau.reshape(-1)[0])
+        return root @ root.T, root
+
+    def blocks(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`full_blocks` of ``Σ`` at ``τ`` (cached for the last τ)."""
+        key = float(tau.reshape(-1)[0])
         if self._cache is None or self._cache[0] != key:
-            chol = torch.linalg.cholesky(self.precision(tau.detach()))
-            cov = torch.cholesky_inverse(chol)
-            self._cache = (key, cov, torch.linalg.cholesky(cov))
+            c, d = self.mean.shape
+            self._cache = (key, *full_blocks(self.covariance(tau)[0], c, d))
         return self._cache[1], self._cache[2]
 
     def functional_variance(self, feats: torch.Tensor, tau: torch.Tensor) -> FunctionalVariance:
+        """At one τ (the predictor's): from ``Σ``'s blocks, the exported module's arithmetic."""
+        return full_blocks_variance(feats, *self.blocks(tau))
+
+    def functional_variances(self, feats: torch.Tensor,
+                             taus: list[torch.Tensor]) -> list[FunctionalVariance]:
+        """:meth:`functional_variance` at every τ of ``taus`` from one projection."""
         c, d = self.mean.shape
-        cov = self.covariance(tau)[0].view(c, d, c, d)
-        diag = torch.einsum("bd,cdce,be->bc", feats, cov, feats)
-        rowsum = torch.einsum("bd,cde,be->bc", feats, cov.sum(2), feats)
-        return diag, rowsum, rowsum.sum(-1)
+        p = self.eig.shape[0]
+        q = self.q.view(c, d, p)
+        weights = [1.0 / (self.eig + tau.reshape(-1)[0]) for tau in taus]
+        out: list[list[list[torch.Tensor]]] = [[[], [], []] for _ in taus]
+        rows = max(1, self.CHUNK // max(p * c, 1))
+        for chunk in feats.split(rows):
+            u = torch.einsum("bd,cdk->bkc", chunk, q)  # [b, P, C]
+            u1 = u.sum(-1)  # [b, P]: Qᵀ (1 ⊗ ã)
+            for parts, w in zip(out, weights):
+                parts[0].append(torch.einsum("bkc,k->bc", u.square(), w))
+                parts[1].append(torch.einsum("bkc,bk,k->bc", u, u1, w))
+                parts[2].append(u1.square() @ w)
+        return [(torch.cat(a), torch.cat(b), torch.cat(t)) for a, b, t in out]
 
     def sample_weights(self, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-        chol = self.covariance(tau)[1]
+        root = self.covariance(tau)[1]
         s = z.shape[0]
-        return self.mean + (z.reshape(s, -1) @ chol.T).view_as(z)
+        return self.mean + (z.reshape(s, -1) @ root.T).view_as(z)
 
 
 class SubnetworkDiag:
