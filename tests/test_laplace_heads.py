@@ -49,45 +49,68 @@ def test_without_validation_the_heads_are_not_fitted_and_the_family_predicts() -
                                rtol=0, atol=0)
 
 
-def test_glm_variance_equals_dense_brute_force() -> None:
-    """diag((I ⊗ ãᵀ) (G_k ⊗ A_k / N + τ I)⁻¹ (I ⊗ ã)) per member, in its component's factors,
-    against the dense inverse (iBNN: 2 components × 3 samples)."""
+@pytest.fixture(params=["kron", "full"])
+def structure(request, monkeypatch) -> str:
+    """The heads' curvature: KFAC, or the exact GGN (the default for these small heads)."""
+    if request.param == "kron":
+        monkeypatch.setattr(heads, "FULL_PARAMS", 0)
+    return request.param
+
+
+def _dense_precision(bnn, k: int, tau: float) -> torch.Tensor:
+    buffers = dict(bnn.state.named_buffers())
+    if heads._H in buffers:
+        h = buffers[heads._H][k]
+    else:
+        h = torch.kron(buffers[heads._G][k], buffers[heads._A][k]) / buffers[heads._N]
+    return h + tau * torch.eye(h.shape[0], dtype=h.dtype)
+
+
+def test_glm_variance_equals_dense_brute_force(structure) -> None:
+    """diag((I ⊗ ãᵀ) (H_k + τ I)⁻¹ (I ⊗ ã)) per member, in its component's precision (KFAC
+    G_k ⊗ A_k / N, or the exact GGN), against the dense inverse (iBNN: 2 components × 3
+    samples)."""
     bnn = _fitted("ibnn", components=2, predict_samples=3)
     x, _ = _data(6, 3)
     feats, _ = heads.member_features(bnn, x, samples_per_component=3, max_rows=4096, seed=0)
-    eig, q_a, q_g = heads._posterior(bnn)
+    posterior = heads._posterior(bnn)
+    assert posterior.full == (structure == "full")
     tau = 0.3
-    fast = heads.functional_variance(eig, q_a, q_g, feats.double(), tau)
-    a, g = bnn.state.get_buffer(heads._A), bnn.state.get_buffer(heads._G)
-    n = bnn.state.get_buffer(heads._N)
-    c = g.shape[-1]
-    assert a.shape[0] == 2 and fast.shape[0] == 6
+    fast = heads.functional_variance(posterior, feats.double(), tau)
+    c = fast.shape[-1]
+    assert posterior.components == 2 and fast.shape[0] == 6
     for m in range(feats.shape[0]):
-        k = m // 3
-        sigma = torch.linalg.inv(torch.kron(g[k], a[k]) / n + tau * torch.eye(c * a.shape[-1],
-                                                                                dtype=a.dtype))
+        sigma = torch.linalg.inv(_dense_precision(bnn, m // 3, tau))
         for b in range(feats.shape[1]):
-            jac = torch.kron(torch.eye(c, dtype=a.dtype), feats[m, b].double().unsqueeze(0))
+            jac = torch.kron(torch.eye(c, dtype=sigma.dtype), feats[m, b].double().unsqueeze(0))
             dense = (jac @ sigma @ jac.T).diagonal()
             torch.testing.assert_close(fast[m, b], dense, rtol=1e-6, atol=1e-9)
 
 
-def test_curvature_equals_brute_force_sums() -> None:
-    """A_k = 1/S Σ_s Σ_n ã ãᵀ and G_k = 1/S Σ_s Σ_n (diag p − p pᵀ) over the training data,
-    per component (iBNN: 2 components × 3 samples)."""
+def test_curvature_equals_brute_force_sums(structure) -> None:
+    """KFAC: A_k = 1/S Σ_s Σ_n ã ãᵀ and G_k = 1/S Σ_s Σ_n (diag p − p pᵀ); full: H_k = 1/S
+    Σ_s Σ_n (diag p − p pᵀ) ⊗ ã ãᵀ — over the training data, per component (iBNN: 2
+    components × 3 samples)."""
     bnn = _fitted("ibnn", components=2, predict_samples=3)
     x, _ = _data()
     bnn.eval()
     feats, logits = heads.member_features(bnn, x, samples_per_component=3, max_rows=4096, seed=0)
     p = logits.double().softmax(-1)
+    f = feats.double()
+    buffers = dict(bnn.state.named_buffers())
     for k in range(2):
         members = range(3 * k, 3 * k + 3)
+        if structure == "full":
+            assert heads._A not in buffers
+            want = sum(torch.kron(torch.diag(p[m, n]) - torch.outer(p[m, n], p[m, n]),
+                                  torch.outer(f[m, n], f[m, n]))
+                       for m in members for n in range(f.shape[1])) / 3
+            torch.testing.assert_close(buffers[heads._H][k], want)
+            continue
+        assert heads._H not in buffers
+        torch.testing.assert_close(buffers[heads._A][k], sum(f[m].T @ f[m] for m in members) / 3)
         torch.testing.assert_close(
-            bnn.state.get_buffer(heads._A)[k],
-            sum(feats[m].double().T @ feats[m].double() for m in members) / 3)
-        torch.testing.assert_close(
-            bnn.state.get_buffer(heads._G)[k],
-            sum(torch.diag(p[m].sum(0)) - p[m].T @ p[m] for m in members) / 3)
+            buffers[heads._G][k], sum(torch.diag(p[m].sum(0)) - p[m].T @ p[m] for m in members) / 3)
     assert bnn.state.value(heads._N) == 48
 
 
@@ -116,11 +139,11 @@ def test_mixture_of_probits_and_broader_off_the_data() -> None:
     bnn.eval()
     x, _ = _data(8, 5)
     feats, logits = heads.member_features(bnn, x, samples_per_component=1, max_rows=4096, seed=0)
-    var = heads.functional_variance(*heads._posterior(bnn), feats.double(), 0.1)
+    var = heads.functional_variance(heads._posterior(bnn), feats.double(), 0.1)
     expected = (logits.double() / torch.sqrt(1 + math.pi / 8 * var)).softmax(-1).mean(0)
     torch.testing.assert_close(bnn.predictive(x).probs.double(), expected, rtol=1e-5, atol=1e-6)
     far, _ = heads.member_features(bnn, 30 * x, samples_per_component=1, max_rows=4096, seed=0)
-    var_far = heads.functional_variance(*heads._posterior(bnn), far.double(), 0.1)
+    var_far = heads.functional_variance(heads._posterior(bnn), far.double(), 0.1)
     assert (var_far.mean() > 10 * var.mean()).item()
 
 
@@ -150,7 +173,7 @@ def test_on_by_default_where_they_apply_and_any_samples_per_component_predicts()
 
 
 @pytest.mark.parametrize("method", ["ensemble", "ibnn", "batchensemble", "rank1"])
-def test_exported_heads_equal_in_process(method: str, tmp_path) -> None:
+def test_exported_heads_equal_in_process(method: str, structure, tmp_path) -> None:
     """pt2 and ONNX exports of the heads' predictive (searched τ and T, sharpened) equal the
     in-process predictor to 1e-5, and the heads are not the family's own predictive."""
     from bayesify.predict.exported import run_exported
@@ -171,9 +194,10 @@ def test_exported_heads_equal_in_process(method: str, tmp_path) -> None:
         torch.testing.assert_close(torch.as_tensor(epistemic), want.epistemic, rtol=0, atol=1e-5)
 
 
-def test_saved_heads_load_exactly_and_refuse_what_does_not_fit(tmp_path) -> None:
+def test_saved_heads_load_exactly_and_refuse_what_does_not_fit(tmp_path, monkeypatch) -> None:
     """save_posterior keeps the fitted heads (KFAC factors, τ); load_posterior on the same
     base predicts the same; a file whose heads do not fit the classifier is refused."""
+    monkeypatch.setattr(heads, "FULL_PARAMS", 0)  # KFAC (the full GGN: the test below)
     from safetensors.torch import load_file
 
     from bayesify import load_posterior
@@ -198,6 +222,33 @@ def test_saved_heads_load_exactly_and_refuse_what_does_not_fit(tmp_path) -> None
         heads.restore(bayesify(_net(), method="ibnn", laplace_heads=True), bad)
     with pytest.raises(BayesifyError, match="does not fit this model's classifier"):
         heads.restore(bayesify(_net(), method="ibnn", laplace_heads=True), tensors)
+
+
+def test_saved_full_heads_load_exactly_and_refuse_what_does_not_fit(tmp_path) -> None:
+    """The exact-GGN heads (H_k, τ) save and load like the KFAC ones; an H of another size or
+    one with a KFAC factor beside it is refused; refitting after a KFAC fit drops the
+    factors."""
+    from safetensors.torch import load_file
+
+    from bayesify import load_posterior
+
+    bnn = _fitted("ibnn", val=True)
+    assert heads._H in dict(bnn.state.named_buffers())
+    heads.set_prior_precision(bnn, 0.3)
+    x, _ = _data(6, 8)
+    want = bnn.predictor()(x)
+    bnn.save_posterior(tmp_path / "post")
+    loaded = load_posterior(_net(), tmp_path / "post")
+    assert heads.fitted(loaded) and heads._posterior(loaded).full
+    torch.testing.assert_close(loaded.predictor()(x).probs, want.probs, rtol=0, atol=1e-6)
+    tensors = load_file(tmp_path / "post" / "posterior.safetensors")
+    wrong = dict(tensors, **{"bayesify.heads_ggn_full": torch.zeros(bnn.method.components, 5, 5,
+                                                                    dtype=torch.float64)})
+    with pytest.raises(BayesifyError, match="does not fit this model's classifier"):
+        heads.restore(bayesify(_net(), method="ibnn", laplace_heads=True), wrong)
+    mixed = dict(tensors, **{"bayesify.heads_kron_input": torch.zeros(2, 8, 8)})
+    with pytest.raises(BayesifyError, match="incomplete"):
+        heads.restore(bayesify(_net(), method="ibnn", laplace_heads=True), mixed)
 
 
 def test_laplace_family_refuses_laplace_heads() -> None:

@@ -9,8 +9,9 @@ the members' logits and the features the in-process heads read with a forward ho
 same module. :class:`HeadsMembers` then computes, with the posterior precomputed at the
 chosen τ into buffers (no eigendecomposition in the graph)::
 
-    ã = [φ, 1],  s = (Q_Aᵀ ã)² · 1/(λ_G λ_Aᵀ/N + τ),  diag Σ_f = s · (Q_G²)ᵀ
-    (per member, in the factors of its component)
+    ã = [φ, 1],  s = (Q_Aᵀ ã)² · 1/(λ_G λ_Aᵀ/N + τ),  diag Σ_f = s · (Q_G²)ᵀ   (KFAC)
+    u = Qᵀ (I ⊗ ã),  diag Σ_f = Σ_p u_p² / (λ_p + τ)                           (full GGN)
+    (per member, in its component's posterior)
     member m: log softmax(f_m/t / sqrt(1 + π/8 · diag Σ_f / t²))
 
 (``t``: the family's member temperature, 1 where it has none) — the members' probit
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.names import base_name
+from bayesify.core.names import BASE_LAYER, base_name
 from bayesify.core.outputs import logits_of
 from bayesify.core.walker import find_classifier
 from bayesify.errors import BayesifyError
@@ -64,10 +65,14 @@ class HeadsMembers(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self.members(*args, **kwargs)  # [M, B, C + D]
         logits, feats = out[..., :self.num_classes], out[..., self.num_classes:]
-        feats = torch.cat([feats, torch.ones_like(feats[..., :1])], dim=-1).to(self.q_a.dtype)
-        k, d = self.q_a.shape[0], feats.shape[-1]  # members component-major: [K, S·B, D']
-        s = (feats.reshape(k, -1, d) @ self.q_a).square() @ self.inv_eig.transpose(1, 2)
-        var = (s @ self.q_g_sq.transpose(1, 2)).reshape(logits.shape)  # [M, B, C]
+        feats = torch.cat([feats, torch.ones_like(feats[..., :1])], dim=-1).to(self.inv_eig.dtype)
+        k, d = self.inv_eig.shape[0], feats.shape[-1]  # members component-major: [K, S·B, D']
+        if hasattr(self, "q_full"):  # the exact GGN: Σ_p (Qᵀ (I ⊗ ã))_pc² / (λ_p + τ)
+            u = torch.einsum("knd,kcdp->knpc", feats.reshape(k, -1, d), self.q_full)
+            var = torch.einsum("knpc,kp->knc", u.square(), self.inv_eig).reshape(logits.shape)
+        else:
+            s = (feats.reshape(k, -1, d) @ self.q_a).square() @ self.inv_eig.transpose(1, 2)
+            var = (s @ self.q_g_sq.transpose(1, 2)).reshape(logits.shape)  # [M, B, C]
         t = self.member_temperature
         mean, var = logits.to(var.dtype) / t, var / (t * t)
         return torch.log_softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1).float()
@@ -101,8 +106,13 @@ def export_heads(bnn: BayesianModel, *, samples_per_component: int, seed: int,
         parent_name, _, attr = qualified.rpartition(".")
         parent = family.get_submodule(parent_name) if parent_name else family
         setattr(parent, attr, LogitsAndFeatures(getattr(parent, attr)))
-    eig, q_a, q_g = heads._posterior(bnn)
-    tau = bnn.state.get_buffer(heads._TAU).to(eig)
-    tensors = {"q_a": q_a, "inv_eig": 1.0 / (eig + tau), "q_g_sq": q_g.square()}
-    return HeadsMembers(family, num_classes=q_g.shape[-1], tensors=tensors,
+    posterior = heads._posterior(bnn)
+    tau = bnn.state.get_buffer(heads._TAU).to(posterior.eig)
+    linear = heads.classifier_module(bnn)
+    linear = getattr(linear, BASE_LAYER, linear)
+    if not hasattr(linear, "in_features"):
+        raise BayesifyError(f"laplace_heads: the classifier {type(linear).__name__} is not a "
+                            f"Linear; {heads.NOT_EXPORTED}")
+    tensors = posterior.export_tensors(tau, linear.in_features + 1)
+    return HeadsMembers(family, num_classes=linear.out_features, tensors=tensors,
                         member_temperature=temperature).eval()
