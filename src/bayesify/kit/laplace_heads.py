@@ -380,14 +380,16 @@ class HeadsPosterior:
             return [((projected @ (1.0 / (self.eig + tau)).transpose(1, 2)) @ q_g_sq)
                     .reshape(m, b, -1) for tau in taus]
         q = self._full_q(d)
-        weights = [1.0 / (self.eig + tau) for tau in taus]  # [K, P]
-        rows = max(1, self.CHUNK // max(k * q.shape[1] * q.shape[3], 1))
-        out: list[list[torch.Tensor]] = [[] for _ in taus]
-        for chunk in f.split(rows, dim=1):
-            u_sq = torch.einsum("knd,kcdp->knpc", chunk, q).square()
-            for parts, w in zip(out, weights):
-                parts.append(torch.einsum("knpc,kp->knc", u_sq, w))
-        return [torch.cat(parts, 1).reshape(m, b, -1) for parts in out]
+        c, p = q.shape[1], q.shape[3]
+        q = q.permute(0, 2, 1, 3).reshape(k, d, c * p)  # [K, D', C·P]
+        weights = torch.stack([1.0 / (self.eig + tau) for tau in taus], -1)  # [K, P, T]
+        rows = max(1, self.CHUNK // max(k * c * p, 1))
+        parts = []
+        for chunk in f.split(rows, dim=1):  # every τ in one matmul over P
+            u_sq = (chunk @ q).square().reshape(k, -1, p)  # [K, n·C, P]
+            parts.append((u_sq @ weights).reshape(k, chunk.shape[1], c, -1))
+        var = torch.cat(parts, 1)  # [K, S·B, C, T]
+        return [var[..., t].reshape(m, b, -1) for t in range(var.shape[-1])]
 
     def export_tensors(self, tau: torch.Tensor, d: int) -> dict[str, torch.Tensor]:
         """What the exported heads need at ``τ`` (no eigendecomposition in the graph)."""

@@ -168,18 +168,18 @@ class LastLayerFull:
         """:meth:`functional_variance` at every τ of ``taus`` from one projection."""
         c, d = self.mean.shape
         p = self.eig.shape[0]
-        q = self.q.view(c, d, p)
-        weights = [1.0 / (self.eig + tau.reshape(-1)[0]) for tau in taus]
-        out: list[list[list[torch.Tensor]]] = [[[], [], []] for _ in taus]
+        q = self.q.view(c, d, p).permute(1, 0, 2).reshape(d, c * p)  # [D', C·P]
+        weights = torch.stack([1.0 / (self.eig + tau.reshape(-1)[0]) for tau in taus], -1)
         rows = max(1, self.CHUNK // max(p * c, 1))
-        for chunk in feats.split(rows):
-            u = torch.einsum("bd,cdk->bkc", chunk, q)  # [b, P, C]
-            u1 = u.sum(-1)  # [b, P]: Qᵀ (1 ⊗ ã)
-            for parts, w in zip(out, weights):
-                parts[0].append(torch.einsum("bkc,k->bc", u.square(), w))
-                parts[1].append(torch.einsum("bkc,bk,k->bc", u, u1, w))
-                parts[2].append(u1.square() @ w)
-        return [(torch.cat(a), torch.cat(b), torch.cat(t)) for a, b, t in out]
+        diag, rowsum, total = [], [], []
+        for chunk in feats.split(rows):  # every τ in one matmul over P
+            u = (chunk @ q).view(-1, c, p)  # [b, C, P]
+            u1 = u.sum(1)  # [b, P]: Qᵀ (1 ⊗ ã)
+            diag.append((u.square().reshape(-1, p) @ weights).view(-1, c, len(taus)))
+            rowsum.append(((u * u1.unsqueeze(1)).reshape(-1, p) @ weights).view(-1, c, len(taus)))
+            total.append(u1.square() @ weights)
+        diag_t, rowsum_t, total_t = torch.cat(diag), torch.cat(rowsum), torch.cat(total)
+        return [(diag_t[..., t], rowsum_t[..., t], total_t[:, t]) for t in range(len(taus))]
 
     def sample_weights(self, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
         root = self.covariance(tau)[1]
