@@ -60,6 +60,14 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session9.md", "The exact last-layer GGN where it is affordable: Laplace's "
+             "default and the member-wise heads; Laplace without validation keeps every "
+             "training decision; every family on two protocols again",
+             "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol P --seeds 0 1 2 "
+             "--save-seeds --methods ... [--variant laplace-kron laplace structure=kron]; python "
+             "benchmarks/which_family.py ...; BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 "
+             "BAYESIFY_STRESS_TABLE=cells.jsonl pytest -m slow tests/test_stress_pretrained.py; "
+             "the text is written by hand"),
         Part("session8.md", "A real network without validation data: SWAG's BatchNorm "
              "statistics chosen by the training labels, the start guard, Bayes by Backprop "
              "per network (tried), MNF diagnosed", "python benchmarks/lite0_families.py --classes 10 --seed S "
