@@ -217,3 +217,10 @@ def test_a_kept_state_still_infeasible_is_weighed_against_the_searched_start(sta
     best.initial = start
     best.retry_start(record, lambda: pytest.fail("searched a feasible state's start"))
     assert record["kept"] == "last"
+    # ... unless only its Laplace heads made it feasible: the start is searched with heads too
+    record = {"kept": "last", "kept_val_nll": 0.302, "kept_val_accuracy": 0.9, "knob": 1.0,
+              "start_tempered_val_nll": 0.3, "family_val_nll": 0.32}
+    best.initial = start
+    start_nll = 0.29  # the start with its heads
+    best.retry_start(record, retune)
+    assert record["kept"] == "start" and record["kept_val_nll"] == 0.29
