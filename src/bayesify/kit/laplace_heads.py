@@ -240,8 +240,8 @@ def restore(bnn: BayesianModel, tensors: dict[str, torch.Tensor], *,
     """Before a strict load of a saved posterior (or checkpoint): add the heads' state
     entries that ``tensors`` holds (they are created by :func:`fit_heads`, so a freshly
     bayesified model lacks them), after checking that they are all there and fit the model:
-    ``A [K, D+1, D+1]``, ``G [K, C, C]`` for K components and the classifier's D inputs and
-    C outputs."""
+    ``A [K, D+1, D+1]``, ``G [K, C, C]`` (or the full ``H [K, P, P]``, P = C·(D+1)) for K
+    components and the classifier's D inputs and C outputs."""
     full = prefix + _H in tensors
     expected = FULL_ENTRIES if full else ENTRIES
     present = [name for name in (*ENTRIES, _H) if prefix + name in tensors]
@@ -254,38 +254,28 @@ def restore(bnn: BayesianModel, tensors: dict[str, torch.Tensor], *,
     module = classifier_module(bnn)
     linear = getattr(module, BASE_LAYER, module)
     inputs, classes = getattr(linear, "in_features", None), getattr(linear, "out_features", None)
+    components = bnn.method.components
     if full:
         h = tensors[prefix + _H]
         p = None if inputs is None or classes is None else classes * (inputs + 1)
-        if (h.dim() != 3 or h.shape[0] != bnn.method.components or h.shape[1] != h.shape[2]
-                or (p is not None and h.shape[1] != p)
-                or any(tensors[prefix + n].numel() != 1 for n in (_N, _TAU, _FITTED))):
-            raise BayesifyError(
-                f"the saved laplace_heads state does not fit this model's classifier ({inputs} "
-                f"inputs, {classes} classes, {bnn.method.components} components): H "
-                f"{list(h.shape)}")
-        _add_missing(bnn, tensors, prefix, expected)
-        return
-    a, g = tensors[prefix + _A], tensors[prefix + _G]
-    if (a.dim() != 3 or g.dim() != 3 or a.shape[0] != g.shape[0]
-            or a.shape[0] != bnn.method.components or a.shape[1] != a.shape[2]
-            or g.shape[1] != g.shape[2] or (inputs is not None and a.shape[1] != inputs + 1)
-            or (classes is not None and g.shape[1] != classes)
-            or any(tensors[prefix + n].numel() != 1 for n in (_N, _TAU, _FITTED))):
+        fits = (h.dim() == 3 and h.shape[0] == components and h.shape[1] == h.shape[2]
+                and (p is None or h.shape[1] == p))
+        shapes = f"H {list(h.shape)}"
+    else:
+        a, g = tensors[prefix + _A], tensors[prefix + _G]
+        fits = (a.dim() == 3 and g.dim() == 3 and a.shape[0] == g.shape[0] == components
+                and a.shape[1] == a.shape[2] and g.shape[1] == g.shape[2]
+                and (inputs is None or a.shape[1] == inputs + 1)
+                and (classes is None or g.shape[1] == classes))
+        shapes = f"A {list(a.shape)}, G {list(g.shape)}"
+    if not fits or any(tensors[prefix + n].numel() != 1 for n in (_N, _TAU, _FITTED)):
         raise BayesifyError(
             f"the saved laplace_heads state does not fit this model's classifier ({inputs} "
-            f"inputs, {classes} classes, {bnn.method.components} components): A "
-            f"{list(a.shape)}, G {list(g.shape)}")
-    _add_missing(bnn, tensors, prefix, expected)
-
-
-def _add_missing(bnn: BayesianModel, tensors: dict[str, torch.Tensor], prefix: str,
-                 names: tuple[str, ...]) -> None:
+            f"inputs, {classes} classes, {components} components): {shapes}")
     buffers = dict(bnn.state.named_buffers())
-    for name in names:
-        value = tensors[prefix + name]
+    for name in expected:
         if name not in buffers:
-            bnn.state.add(name, torch.zeros_like(value, device=bnn.device))
+            bnn.state.add(name, torch.zeros_like(tensors[prefix + name], device=bnn.device))
     bnn.runtime.pop(_CACHE, None)
 
 
