@@ -146,17 +146,17 @@ class LastLayerFull:
     def log_det(self, tau: torch.Tensor) -> torch.Tensor:
         return torch.log(self.eig + tau).sum()
 
-    def covariance(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(Σ [P, P], R)`` with ``R Rᵀ = Σ`` (``R = Q diag(1/√(λ + τ))``)."""
-        root = self.q * torch.rsqrt(self.eig + tau.reshape(-1)[0])
-        return root @ root.T, root
+    def root(self, tau: torch.Tensor) -> torch.Tensor:
+        """``R = Q diag(1/√(λ + τ))`` ``[P, P]``: ``R Rᵀ = Σ``."""
+        return self.q * torch.rsqrt(self.eig + tau.reshape(-1)[0])
 
     def blocks(self, tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`full_blocks` of ``Σ`` at ``τ`` (cached for the last τ)."""
         key = float(tau.reshape(-1)[0])
         if self._cache is None or self._cache[0] != key:
             c, d = self.mean.shape
-            self._cache = (key, *full_blocks(self.covariance(tau)[0], c, d))
+            root = self.root(tau)
+            self._cache = (key, *full_blocks(root @ root.T, c, d))
         return self._cache[1], self._cache[2]
 
     def functional_variance(self, feats: torch.Tensor, tau: torch.Tensor) -> FunctionalVariance:
@@ -182,7 +182,7 @@ class LastLayerFull:
         return [(diag_t[..., t], rowsum_t[..., t], total_t[:, t]) for t in range(len(taus))]
 
     def sample_weights(self, z: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-        root = self.covariance(tau)[1]
+        root = self.root(tau)  # a sample needs no P × P covariance
         s = z.shape[0]
         return self.mean + (z.reshape(s, -1) @ root.T).view_as(z)
 
