@@ -175,3 +175,36 @@ def test_the_curvature_pass_refuses_non_finite_inputs_before_accumulating(data):
         fit(bnn, loader(x, y), progress=False)
     after = buffers(bnn)
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_the_guard_copies_the_trainable_tensors_only_where_the_anchor_cannot_restore_them():
+    """``before_update`` skips its per-step copy when the anchor holds the same tensors (a
+    recovery puts the anchor back anyway); where it does not (no anchor, other tensors), the
+    copy is made and ``rollback`` restores the pre-step values."""
+    from bayesify.train.guard import StepGuard
+
+    bnn = make("ibnn", components=2)
+    params = [p for p in bnn.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    guard = StepGuard(bnn)
+    guard.begin()
+    guard.before_update(params)  # no anchor yet: copied
+    assert guard.params_copied
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    guard.rollback()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+    guard.keep_anchor(params, 0)
+    guard.before_update(params)  # the anchor holds these tensors: no copy
+    assert not guard.params_copied
+    with torch.no_grad():
+        for p in params:
+            p.fill_(float("nan"))
+    guard.rollback()  # buffers only
+    assert guard.rollback_to_anchor(params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+    guard.before_update(params[:-1])  # other tensors than the anchor's: copied again
+    assert guard.params_copied and not guard.anchor_restorable(params[:-1])

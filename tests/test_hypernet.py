@@ -75,7 +75,8 @@ def test_zero_noise_reproduces_base_network(parameterization: str) -> None:
         bnn = bayesify(model, "hypernet", noise_scale=0.0, parameterization=parameterization, **SMALL)
         bnn.train()
         logits, _ = bnn.training_forward(x, torch.zeros(5, dtype=torch.long))
-        torch.testing.assert_close(logits, expected.repeat(2, 1), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(logits, expected.repeat(bnn.method.config.samples, 1),
+                                   rtol=1e-5, atol=1e-6)
         members = bnn.predictor(samples_per_component=3)(x).member_logits
         torch.testing.assert_close(members, expected.expand(3, -1, -1), rtol=1e-5, atol=1e-6)
         # with noise, the z = 0 network (deterministic mode) is still the base network at init

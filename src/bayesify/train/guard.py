@@ -12,7 +12,8 @@ statistic while the loss stays finite. The guard:
    module declares ``bayesify_guard_buffers = False`` because only the family's
    post-step hook writes them, e.g. SWAG's moments);
    and, every :data:`ANCHOR_EVERY` steps, the anchor (below);
-2. :meth:`StepGuard.before_update` — copy the trainable tensors before ``optimizer.step()``;
+2. :meth:`StepGuard.before_update` — copy the trainable tensors before ``optimizer.step()``
+   where the anchor cannot put them back (a recovery restores the anchor anyway);
 3. :meth:`StepGuard.check` — names of guarded tensors that are non-finite or absurd
    (:func:`unusable`: beyond ``finfo.max / 2**20`` for fp32/fp64/bf16, where any
    further arithmetic overflows);
@@ -94,6 +95,7 @@ class StepGuard:
         self.buffer_copies: list[torch.Tensor] = []
         self.params: list[torch.Tensor] = []
         self.param_copies: list[torch.Tensor] = []
+        self.params_copied = False
         # the anchor of recoveries: trainable tensors and every buffer of the last sane state
         self.anchor_params: list[torch.Tensor] = []
         self.anchor_param_copies: list[torch.Tensor] = []
@@ -109,9 +111,20 @@ class StepGuard:
         self.buffer_copies = _copy_into(self.buffer_copies, [b for _, b in self.buffers])
 
     def before_update(self, params: list[torch.Tensor]) -> None:
-        """Copy the trainable tensors (before ``optimizer.step()``)."""
+        """Copy the trainable tensors (before ``optimizer.step()``) — unless the anchor holds
+        these very tensors: a recovery puts the anchor back over whatever this copy would
+        restore, so the copy (one pass over every trainable tensor per step) is only needed
+        where the anchor cannot be restored and the error must leave the pre-step values."""
         self.params = list(params)
-        self.param_copies = _copy_into(self.param_copies, self.params)
+        self.params_copied = not self.anchor_restorable(self.params)
+        if self.params_copied:
+            self.param_copies = _copy_into(self.param_copies, self.params)
+
+    def anchor_restorable(self, params: list[torch.Tensor]) -> bool:
+        """Whether :meth:`rollback_to_anchor` can put these tensors (and every buffer) back."""
+        return (self.anchor_step is not None
+                and [id(p) for p in params] == [id(p) for p in self.anchor_params]
+                and sum(1 for _ in self.bnn.buffers()) == len(self.anchor_buffer_copies))
 
     def check(self, params: list[torch.Tensor], names: dict[int, str] | None = None) -> list[str]:
         """Unusable trainable tensors (by name when ``names`` maps ``id → name``) and buffers."""
@@ -143,11 +156,9 @@ class StepGuard:
 
     def rollback_to_anchor(self, params: list[torch.Tensor]) -> bool:
         """Put the anchor back (False when there is none for these tensors)."""
-        if self.anchor_step is None or [id(p) for p in params] != [id(p) for p in self.anchor_params]:
+        if not self.anchor_restorable(params):
             return False
         buffers = list(self.bnn.buffers())
-        if len(buffers) != len(self.anchor_buffer_copies):
-            return False
         with torch.no_grad():
             for p, copy in zip(self.anchor_params, self.anchor_param_copies):
                 p.copy_(copy)
@@ -161,10 +172,12 @@ class StepGuard:
                 buffer.copy_(copy)
 
     def rollback(self) -> None:
-        """Put the trainable tensors and the buffers back as they were."""
-        with torch.no_grad():
-            for p, copy in zip(self.params, self.param_copies):
-                p.copy_(copy)
+        """Put the trainable tensors (where :meth:`before_update` copied them; else the anchor
+        does) and the buffers back as they were."""
+        if self.params_copied:
+            with torch.no_grad():
+                for p, copy in zip(self.params, self.param_copies):
+                    p.copy_(copy)
         self.rollback_buffers()
 
 
