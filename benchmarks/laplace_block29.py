@@ -52,6 +52,10 @@ TAUS = tuple(10.0 ** k for k in range(-4, 5))
 BUDGET = 0.005
 
 
+def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
 def _kfac_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
 
@@ -98,11 +102,10 @@ def block_frontier(la: Any, tx, ty, shifted, ood) -> list[dict[str, float]]:
             clean = temper(logp["clean"], t)
             shift = [metrics.per_example_nll(temper(v, t), ty).mean().item()
                      for name, v in logp.items() if name.startswith("shift:")]
-            ent = lambda lp: -(lp.exp() * lp).sum(-1)  # noqa: E731
             rows.append({"tau": float(tau), "T": float(t),
                          "clean_nll": metrics.per_example_nll(clean, ty).mean().item(),
                          "shift_nll": sum(shift) / len(shift),
-                         "auroc": metrics.auroc(ent(clean), ent(temper(logp["ood"], t)))})
+                         "auroc": metrics.auroc(_entropy(clean), _entropy(temper(logp["ood"], t)))})
     return rows
 
 
@@ -122,10 +125,9 @@ def _with_auroc(bnn: Any, rows: list[dict[str, float]], tx, ood) -> list[dict[st
         cache[tau] = (predictions(predictor, tx).raw_log_probs,
                       predictions(predictor, ood).raw_log_probs)
     knob.set(chosen)
-    ent = lambda lp: -(lp.exp() * lp).sum(-1)  # noqa: E731
     for r in rows:
         c, o = cache[r["tau"]]
-        r["auroc"] = metrics.auroc(ent(temper(c, r["T"])), ent(temper(o, r["T"])))
+        r["auroc"] = metrics.auroc(_entropy(temper(c, r["T"])), _entropy(temper(o, r["T"])))
     return rows
 
 
@@ -174,11 +176,11 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--protocol", default="digits-cnn", choices=sorted(PROTOCOLS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--block", type=int, default=2,
+    parser.add_argum_entropy("--protocol", default="digits-cnn", choices=sorted(PROTOCOLS))
+    parser.add_argum_entropy("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argum_entropy("--block", type=int, default=2,
                         help="Linear/Conv layers of the 'last block' posterior (default 2)")
-    parser.add_argument("--json", type=Path, help="write every frontier row here")
+    parser.add_argum_entropy("--json", type=Path, help="write every frontier row here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     runs = [run_seed(seed, args) for seed in args.seeds]
