@@ -176,11 +176,11 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argum_entropy("--protocol", default="digits-cnn", choices=sorted(PROTOCOLS))
-    parser.add_argum_entropy("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argum_entropy("--block", type=int, default=2,
+    parser.add_argument("--protocol", default="digits-cnn", choices=sorted(PROTOCOLS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--block", type=int, default=2,
                         help="Linear/Conv layers of the 'last block' posterior (default 2)")
-    parser.add_argum_entropy("--json", type=Path, help="write every frontier row here")
+    parser.add_argument("--json", type=Path, help="write every frontier row here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     runs = [run_seed(seed, args) for seed in args.seeds]
