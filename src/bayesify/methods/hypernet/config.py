@@ -20,7 +20,8 @@ class HypernetConfig(WeightPriorConfig):
         "sample's likelihood counts). The generators run once per sample and step, the network "
         "once per row: at fit's budget in forward passes of one example, S = 4 halves the "
         "steps, and so the generators' work, against S = 2 (fit 14.4 → 8.5 s on the tiny ViT, "
-        "4.7 → 3.7 s on the CNN, the same predictive to 4 digits on 3 seeds of both)."
+        "4.7 → 3.7 s on the CNN, the same predictive to 4 digits on 3 seeds of both). A step "
+        "holds S rows per example, as rank1's 4 components do: samples=2 halves the memory."
     )
     predict_samples: int = option(10, "M: generated networks (members) at prediction.")
     noise_dim: int = option(8, "d: dimension of the generator noise z ~ N(0, noise_scale² I).")
