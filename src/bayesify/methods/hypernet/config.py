@@ -16,12 +16,9 @@ class HypernetConfig(WeightPriorConfig):
     """Bayes by Hypernet: a weight generator per layer, nearest-neighbour KL (Pawlowski et al.)."""
 
     samples: int = option(
-        4, "S: weight samples per training step (every example repeated S times; every "
-        "sample's likelihood counts). The generators run once per sample and step, the network "
-        "once per row: at fit's budget in forward passes of one example, S = 4 halves the "
-        "steps, and so the generators' work, against S = 2 (fit 14.4 → 8.5 s on the tiny ViT, "
-        "4.7 → 3.7 s on the CNN, the same predictive to 4 digits on 3 seeds of both). A step "
-        "holds S rows per example, as rank1's 4 components do: samples=2 halves the memory."
+        4, "S: weight samples per step (every example repeated S times, every sample's "
+        "likelihood counts; S rows per example in memory). The generators run once per sample "
+        "and step: at fit's forward-pass budget 4 halves their work against 2, same predictive."
     )
     predict_samples: int = option(10, "M: generated networks (members) at prediction.")
     noise_dim: int = option(8, "d: dimension of the generator noise z ~ N(0, noise_scale² I).")
