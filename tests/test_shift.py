@@ -195,3 +195,40 @@ def test_a_sharpening_family_sharpens_only_the_values_that_need_it():
     assert choose_joint(clean, shifted, reference, grid=[10.0, 0.1], prefer="smallest") == (0, 1)
     assert choose_joint(clean, shifted, reference, grid=[10.0, 0.1], prefer="smallest",
                         admissible=got) == (1, 0)
+
+
+@pytest.mark.parametrize("family", ["dropout", pytest.param("mnf", marks=pytest.mark.slow)])
+def test_the_search_skips_only_shifted_passes_the_choice_cannot_read(digits, digits_map, family,
+                                                                     monkeypatch):
+    """A value no temperature makes feasible on the clean split is never chosen by its shifted
+    NLL, so the search skips its shifted pass: the same choice, temperature and validation
+    NLLs as scoring every value, and the skipped values' entries are ``None``."""
+    import copy
+
+    from torch.utils.data import DataLoader
+
+    import bayesify
+    from bayesify.train import tuning
+
+    x, y = digits.val.tensors
+    val = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=64)
+    x, y = digits.train.tensors
+    train = DataLoader(torch.utils.data.TensorDataset(x[:128], y[:128]), batch_size=32)
+
+    def searched(every: bool) -> dict:
+        if every:  # the skip's own test passes every value
+            monkeypatch.setattr(tuning, "feasible", lambda c, r: torch.ones(c.shape[:2], dtype=torch.bool))
+        torch.manual_seed(0)
+        bnn = bayesify.bayesify(copy.deepcopy(digits_map), family)
+        record = bayesify.fit(bnn, train, val_loader=val, epochs=1, progress=False, seed=0).last
+        monkeypatch.undo()
+        return record
+
+    skipping, scoring = searched(False), searched(True)
+    knob = next(k[:-len("_shift_nll")] for k in skipping if k.endswith("_shift_nll"))
+    assert None in skipping[f"{knob}_shift_nll"], "no value was skipped: the test tests nothing"
+    assert None not in scoring[f"{knob}_shift_nll"]
+    for key in (knob, "temperature", "val_nll", "val_shift_nll", f"{knob}_val_nll"):
+        assert skipping[key] == scoring[key], key
+    for mine, every in zip(skipping[f"{knob}_shift_nll"], scoring[f"{knob}_shift_nll"]):
+        assert mine is None or mine == every

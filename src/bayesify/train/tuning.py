@@ -204,40 +204,46 @@ def interleaved(copies: list[Batch]) -> Batch:
 
 @torch.no_grad()
 def candidate_nll(bnn: BayesianModel, batches: Batches, ctx: DistContext,
-                  shift: ShiftSignal | None,
-                  shift_batches: Batches | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-example NLL ``[T, n]`` on the clean split and ``[T, m]`` on its shifted copies (or
-    the shift loader), of ``bnn``'s default predictor at temperature 1 scaled by every T,
-    each with the per-example error as a last row (``[T + 1, ·]``, :func:`_split`)."""
+                  shift: ShiftSignal | None, shift_batches: Batches | None, *,
+                  clean: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-example NLL ``[T, n]`` on the clean split (``clean=False``: None, not computed)
+    and ``[T, m]`` on its shifted copies (or the shift loader), of ``bnn``'s default
+    predictor at temperature 1 scaled by every T, each with the per-example error as a last
+    row (``[T + 1, ·]``, :func:`_split`)."""
     predictor = bnn.predictor(temperature=1.0)
-    (clean, shifted), = grid_nll(
-        lambda x: [predictor.predict(x).raw_log_probs], batches, ctx, shift, shift_batches)
-    return clean, shifted
+    (scores, shifted), = grid_nll(
+        lambda x: [predictor.predict(x).raw_log_probs], batches, ctx, shift, shift_batches,
+        clean=clean)
+    return scores, shifted
 
 
 def grid_nll(log_probs_of: Callable[[Any], list[torch.Tensor]], batches: Batches,
              ctx: DistContext, shift: ShiftSignal | None, shift_batches: Batches | None,
-             ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+             *, clean: bool = True) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
     """:func:`candidate_nll` for V candidates scored from one pass: ``log_probs_of(inputs)``
     returns every candidate's ``[B, C]`` log p̄ (T = 1) of one batch; per candidate the
-    clean and shifted ``[T + 1, ·]`` scores."""
+    clean (None with ``clean=False``) and shifted ``[T + 1, ·]`` scores."""
     def nll_of(batch: Batch) -> list[torch.Tensor]:
         labels = batch.require_labels("the validation search")
         return [_nll_by_temperature(lambda t, lp=lp: temper(lp, t), labels.to(lp.device))
                 for lp in log_probs_of(batch.model_input())]
 
-    clean: list[list[torch.Tensor]] = []
+    scores: list[list[torch.Tensor]] = []
     shifted: list[list[torch.Tensor]] = []
-    for index, batch in enumerate(batches()):
-        clean.append(nll_of(batch))
-        if shift is not None and shift_batches is None and shift.levels:
-            shifted.append(nll_of(interleaved(shift.copies(batch, index))))
+    copies = shift is not None and shift_batches is None and bool(shift.levels)
+    if clean or copies:
+        for index, batch in enumerate(batches()):
+            if clean:
+                scores.append(nll_of(batch))
+            if copies:
+                shifted.append(nll_of(interleaved(shift.copies(batch, index))))
     if shift_batches is not None:
         shifted = [nll_of(batch) for batch in shift_batches()]
-    values = len(clean[0]) if clean else 1
+    first = scores or shifted
+    values = len(first[0]) if first else 1
     out = []
     for v in range(values):
-        c = _gather([parts[v] for parts in clean], ctx)
+        c = _gather([parts[v] for parts in scores], ctx) if clean else None
         s = (_gather([parts[v] for parts in shifted], ctx) if shifted or shift_batches
              else None)
         out.append((c, s))
@@ -350,39 +356,48 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                            total=sum(len(k.grid) if k is not None else 1 for k in plan))
         for knob in plan:
             values = [float(v) for v in knob.grid] if knob is not None else [math.nan]
-            clean, shifted, errors = [], [], []
-            if knob is not None and knob.grid_log_probs is not None:  # one pass, every value
-                scored = grid_nll(knob.grid_log_probs, batches, ctx, shift, shift_batches)
-                bar.update(len(values))
-            else:
-                scored = []
-                for value in values:
-                    if knob is not None:
-                        knob.set(value)
-                    scored.append(candidate_nll(bnn, batches, ctx, shift, shift_batches))
-                    bar.update(1)
-            for c, s in scored:
-                c, e = _split(c)
-                clean.append(c)
-                errors.append(e)
-                shifted.append(None if s is None else _split(s)[0])
-            # a value that loses more than ACCURACY_TOLERANCE of clean validation accuracy
-            # against the start (with keep: any against the family) is never feasible (a
-            # temperature does not move the argmax)
-            admissible = (torch.stack(errors).mean(-1)
-                          <= error_cap + 1e-12)
             # the temperatures considered: from the floor up (temperature_floor; the whole
             # grid for a knob that spans a GLM spread, Knob.sharpens); only 1 without the
             # temperature search
             sharpens = sharpening_allowed(bnn) or (knob is not None and knob.sharpens)
             columns = ((_at_least(TEMPERATURES[0]) if sharpens else allowed) if temperature
                        else [TEMPERATURES.index(1.0)])
+            below = [TEMPERATURES[c] < floor for c in columns]
+            clean, shifted, errors = [], [], []
+            wants_shift = shift_batches is not None or (shift is not None and bool(shift.levels))
+            if knob is not None and knob.grid_log_probs is not None:  # one pass, every value
+                scored = grid_nll(knob.grid_log_probs, batches, ctx, shift, shift_batches)
+                bar.update(len(values))
+            else:
+                # the shifted passes only for values some temperature makes feasible on the
+                # clean split: the choice reads the shifted NLL of feasible values alone
+                # (choose_joint), so the others' cost a pass each for nothing (MNF on the CNN
+                # protocol: 4 of its 8 noise scales)
+                scored = []
+                for value in values:
+                    if knob is not None:
+                        knob.set(value)
+                    c, s = candidate_nll(bnn, batches, ctx, None, None)
+                    c_t, e = _split(c)
+                    if wants_shift and (knob is None or knob.rule != "min") and bool(
+                            (feasible(c_t[None, columns], reference)
+                             & _admissible(c_t[None, columns], e[None], error_cap=error_cap,
+                                           reference=reference, below=below)).any()):
+                        s = candidate_nll(bnn, batches, ctx, shift, shift_batches,
+                                          clean=False)[1]
+                    scored.append((c, s))
+                    bar.update(1)
+                if wants_shift:
+                    scored = _fill_skipped(scored)
+            for c, s in scored:
+                c, e = _split(c)
+                clean.append(c)
+                errors.append(e)
+                shifted.append(None if s is None else _split(s)[0])
             clean_t = torch.stack(clean)[:, columns]
             shifted_t = None if shifted[0] is None else torch.stack(shifted)[:, columns]
-            admissible = admissible.view(-1, 1).expand(len(values), len(columns))
-            if sharpens:
-                admissible = _sharpen_only_if_needed(clean_t, reference, admissible,
-                                                     [TEMPERATURES[c] < floor for c in columns])
+            admissible = _admissible(clean_t, torch.stack(errors), error_cap=error_cap,
+                                     reference=reference, below=below)
             if knob is not None and knob.rule == "min":  # the lowest clean NLL, nothing else
                 flat = int(clean_t.mean(-1).argmin())
                 v, t = flat // clean_t.shape[1], flat % clean_t.shape[1]
@@ -394,6 +409,15 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             chosen_t = TEMPERATURES[columns[t]]
             if knob is not None:
                 knob.set(values[v])
+            if wants_shift and (shifted_t is None or bool(shifted_t[v].isnan().all())):
+                # the chosen value's shifted passes were skipped (nothing was feasible, or
+                # rule 'min'): scored now, for the record
+                s = _split(candidate_nll(bnn, batches, ctx, shift, shift_batches,
+                                         clean=False)[1])[0][columns]
+                if shifted_t is None:
+                    shifted_t = torch.full((len(values), *s.shape), math.nan, dtype=s.dtype)
+                shifted_t[v] = s
+            if knob is not None:
                 record.update(_curves(knob, values, v, t, clean_t, shifted_t))
                 _warn_at_edge(bnn, knob, values, v)
                 logger.info("%s: %s = %.3g, temperature %.3g chosen on validation (%s)",
@@ -418,6 +442,27 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     return record
 
 
+def _admissible(clean: torch.Tensor, errors: torch.Tensor, *, error_cap: float,
+                reference: torch.Tensor, below: list[bool]) -> torch.Tensor:
+    """``[V, T]`` of ``clean [V, T, n]`` and ``errors [V, n]``: the rules besides the clean
+    NLL's. A value that loses more than ACCURACY_TOLERANCE of clean validation accuracy
+    against the start (with keep: any against the family; ``error_cap``) is never feasible (a
+    temperature does not move the argmax); a temperature below the network's floor
+    (``below``) only where the value needs it (:func:`_sharpen_only_if_needed`)."""
+    ok = (errors.mean(-1) <= error_cap + 1e-12).view(-1, 1).expand(len(clean), len(below))
+    return _sharpen_only_if_needed(clean, reference, ok, below)
+
+
+def _fill_skipped(scored: list[tuple[torch.Tensor, torch.Tensor | None]],
+                  ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Skipped shifted scores as NaN of the scored ones' shape (no value scored: every
+    value's shifted score stays None and the choice falls back to the clean NLL)."""
+    done = next((s for _, s in scored if s is not None), None)
+    if done is None:
+        return scored
+    return [(c, torch.full_like(done, math.nan) if s is None else s) for c, s in scored]
+
+
 def _sharpen_only_if_needed(clean: torch.Tensor, reference: torch.Tensor,
                             admissible: torch.Tensor, below: list[bool]) -> torch.Tensor:
     """``[V, T]``: a temperature below the network's own floor (:func:`network_floor`) only
@@ -440,7 +485,8 @@ def _curves(knob: Knob, values: list[float], v: int, t: int, clean: torch.Tensor
     out = {knob.name: values[v], f"{knob.name}_grid": values,
            f"{knob.name}_val_nll": [float(c[t].mean()) for c in clean]}
     if shifted is not None:
-        out[f"{knob.name}_shift_nll"] = [float(s[t].mean()) for s in shifted]
+        out[f"{knob.name}_shift_nll"] = [None if bool(s[t].isnan().all()) else float(s[t].mean())
+                                          for s in shifted]  # None: not scored (infeasible)
     return out
 
 
