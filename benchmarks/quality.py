@@ -393,7 +393,8 @@ def frontier_png(summary: dict[str, Any], path: Path) -> None:
                     None)
         if knob is None:
             continue
-        xs, ys = search[f"{knob}_val_nll"], search[f"{knob}_shift_nll"]
+        xs = search[f"{knob}_val_nll"]
+        ys = [math.nan if v is None else v for v in search[f"{knob}_shift_nll"]]  # None: skipped
         bx.plot(xs, ys, "-o", ms=3, label=f"{name.replace('bayesify:', '')} ({knob})")
         value = search[knob][0] if isinstance(search[knob], list) else search[knob]
         grid = search[f"{knob}_grid"]
