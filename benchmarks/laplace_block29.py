@@ -132,12 +132,8 @@ def _with_auroc(bnn: Any, rows: list[dict[str, float]], tx, ood) -> list[dict[st
 
 
 def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    torch.manual_seed(seed)
     spec = PROTOCOLS[args.protocol]
-    p = spec.build(seed)
-    tx, ty = p.test.tensors
-    shifted = spec.shifts(tx, seed)
-    ood = torch.cat([p.ood_near, p.ood_far])
+    p, tx, ty, shifted, ood = spec.evaluation_sets(seed)
     base = spec.pretrained(p, seed, 0, epochs=spec.map_epochs)
     loaders = p.loaders(seed)
     start = score(ModelPredictor(base), tx, ty, shifted, ood)

@@ -319,6 +319,15 @@ class Spec:
     map_epochs: int
     quick_map_epochs: int
 
+    def evaluation_sets(self, seed: int) -> tuple[Protocol, torch.Tensor, torch.Tensor,
+                                                  dict[str, torch.Tensor], torch.Tensor]:
+        """Seed ``seed``'s protocol (``torch.manual_seed(seed)`` first), its test inputs and
+        labels, the shifted test inputs by kind and the OOD inputs (near + far)."""
+        torch.manual_seed(seed)
+        p = self.build(seed)
+        tx, ty = p.test.tensors
+        return p, tx, ty, self.shifts(tx, seed), torch.cat([p.ood_near, p.ood_far])
+
 
 PROTOCOLS = {
     "digits-cnn": Spec("digits-cnn", "noisy digits, classes 0–7, pretrained CNN (BatchNorm), 200 "

@@ -248,12 +248,8 @@ def temperature_scale(model: torch.nn.Module, p: Protocol) -> ModelPredictor:
 
 # -- one seed ---------------------------------------------------------------------------------
 def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    torch.manual_seed(seed)
     spec = PROTOCOLS[args.protocol]
-    p = spec.build(seed)
-    tx, ty = p.test.tensors
-    shifted = spec.shifts(tx, seed)
-    ood = torch.cat([p.ood_near, p.ood_far])
+    p, tx, ty, shifted, ood = spec.evaluation_sets(seed)
     map_epochs = spec.quick_map_epochs if args.quick else spec.map_epochs
     start = time.perf_counter()
     base = spec.pretrained(p, seed, 0, epochs=map_epochs)

@@ -76,12 +76,8 @@ def frontier(bnn: Any, tx, ty, shifted) -> list[dict[str, float]]:
 
 
 def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    torch.manual_seed(seed)
     spec = PROTOCOLS[args.protocol]
-    p = spec.build(seed)
-    tx, ty = p.test.tensors
-    shifted = spec.shifts(tx, seed)
-    ood = torch.cat([p.ood_near, p.ood_far])
+    p, tx, ty, shifted, ood = spec.evaluation_sets(seed)
     start = time.perf_counter()
     base = spec.pretrained(p, seed, 0, epochs=spec.map_epochs)
     map_s = time.perf_counter() - start
