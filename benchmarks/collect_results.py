@@ -62,8 +62,8 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
         Part("session10.md", "Laplace over more than the last layer (the library's subnetwork "
              "diagonal; laplace-torch's KFAC over the last block and every layer), the "
-             "hypernet's fit halved, the step guard's per-step copy; every family on two "
-             "protocols again", "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py "
+             "hypernet's fit halved, the step guard's per-step copy, the search's skipped "
+             "shifted passes; every family on two protocols again", "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py "
              "--protocol P --seeds 0 1 2 --methods laplace --variant lap-last2 laplace "
              "targets=last:2 structure=diag ...; python benchmarks/laplace_block29.py --protocol "
              "P --seeds S --json F; python benchmarks/which_family.py ...; the text is written "
