@@ -363,39 +363,36 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             columns = ((_at_least(TEMPERATURES[0]) if sharpens else allowed) if temperature
                        else [TEMPERATURES.index(1.0)])
             below = [TEMPERATURES[c] < floor for c in columns]
-            clean, shifted, errors = [], [], []
+            clean, shifted, errors = [], [], []  # shifted: None where not scored
             wants_shift = shift_batches is not None or (shift is not None and bool(shift.levels))
+
+            def shifted_nll() -> torch.Tensor:
+                """``[T, m]`` of the knob's current value on the shifted split alone."""
+                return _split(candidate_nll(bnn, batches, ctx, shift, shift_batches,
+                                            clean=False)[1])[0]
+
             if knob is not None and knob.grid_log_probs is not None:  # one pass, every value
-                scored = grid_nll(knob.grid_log_probs, batches, ctx, shift, shift_batches)
+                for c, s in grid_nll(knob.grid_log_probs, batches, ctx, shift, shift_batches):
+                    _add_scores(clean, errors, shifted, c, s)
                 bar.update(len(values))
             else:
                 # the shifted passes only for values some temperature makes feasible on the
                 # clean split: the choice reads the shifted NLL of feasible values alone
                 # (choose_joint), so the others' cost a pass each for nothing (MNF on the CNN
                 # protocol: 4 of its 8 noise scales)
-                scored = []
                 for value in values:
                     if knob is not None:
                         knob.set(value)
-                    c, s = candidate_nll(bnn, batches, ctx, None, None)
-                    c_t, e = _split(c)
+                    c, e = _add_scores(clean, errors, shifted,
+                                       candidate_nll(bnn, batches, ctx, None, None)[0], None)
                     if wants_shift and (knob is None or knob.rule != "min") and bool(
-                            (feasible(c_t[None, columns], reference)
-                             & _admissible(c_t[None, columns], e[None], error_cap=error_cap,
+                            (feasible(c[None, columns], reference)
+                             & _admissible(c[None, columns], e[None], error_cap=error_cap,
                                            reference=reference, below=below)).any()):
-                        s = candidate_nll(bnn, batches, ctx, shift, shift_batches,
-                                          clean=False)[1]
-                    scored.append((c, s))
+                        shifted[-1] = shifted_nll()
                     bar.update(1)
-                if wants_shift:
-                    scored = _fill_skipped(scored)
-            for c, s in scored:
-                c, e = _split(c)
-                clean.append(c)
-                errors.append(e)
-                shifted.append(None if s is None else _split(s)[0])
             clean_t = torch.stack(clean)[:, columns]
-            shifted_t = None if shifted[0] is None else torch.stack(shifted)[:, columns]
+            shifted_t = _stacked(shifted, columns)
             admissible = _admissible(clean_t, torch.stack(errors), error_cap=error_cap,
                                      reference=reference, below=below)
             if knob is not None and knob.rule == "min":  # the lowest clean NLL, nothing else
@@ -409,14 +406,11 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             chosen_t = TEMPERATURES[columns[t]]
             if knob is not None:
                 knob.set(values[v])
-            if wants_shift and (shifted_t is None or bool(shifted_t[v].isnan().all())):
-                # the chosen value's shifted passes were skipped (nothing was feasible, or
-                # rule 'min'): scored now, for the record
-                s = _split(candidate_nll(bnn, batches, ctx, shift, shift_batches,
-                                         clean=False)[1])[0][columns]
-                if shifted_t is None:
-                    shifted_t = torch.full((len(values), *s.shape), math.nan, dtype=s.dtype)
-                shifted_t[v] = s
+            if wants_shift and shifted[v] is None:
+                # the chosen value's shifted pass was skipped (nothing was feasible, or rule
+                # 'min'): scored now, for the record
+                shifted[v] = shifted_nll()
+                shifted_t = _stacked(shifted, columns)
             if knob is not None:
                 record.update(_curves(knob, values, v, t, clean_t, shifted_t))
                 _warn_at_edge(bnn, knob, values, v)
@@ -453,14 +447,26 @@ def _admissible(clean: torch.Tensor, errors: torch.Tensor, *, error_cap: float,
     return _sharpen_only_if_needed(clean, reference, ok, below)
 
 
-def _fill_skipped(scored: list[tuple[torch.Tensor, torch.Tensor | None]],
-                  ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Skipped shifted scores as NaN of the scored ones' shape (no value scored: every
-    value's shifted score stays None and the choice falls back to the clean NLL)."""
-    done = next((s for _, s in scored if s is not None), None)
+def _add_scores(clean: list[torch.Tensor], errors: list[torch.Tensor],
+                shifted: list[torch.Tensor | None], c: torch.Tensor,
+                s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append one value's clean ``[T, n]``, errors ``[n]`` and shifted ``[T, m]`` (or None)
+    scores (:func:`_split`); returns its clean scores and errors."""
+    c, e = _split(c)
+    clean.append(c)
+    errors.append(e)
+    shifted.append(None if s is None else _split(s)[0])
+    return c, e
+
+
+def _stacked(shifted: list[torch.Tensor | None], columns: list[int]) -> torch.Tensor | None:
+    """``[V, T, m]`` of the scored values' shifted NLL at ``columns``, NaN rows for the values
+    not scored (never feasible: :func:`choose_joint` does not read them); None when none was."""
+    done = next((s for s in shifted if s is not None), None)
     if done is None:
-        return scored
-    return [(c, torch.full_like(done, math.nan) if s is None else s) for c, s in scored]
+        return None
+    return torch.stack([torch.full_like(done, math.nan) if s is None else s
+                        for s in shifted])[:, columns]
 
 
 def _sharpen_only_if_needed(clean: torch.Tensor, reference: torch.Tensor,
