@@ -259,3 +259,13 @@ def test_class_count_from_folder_checked_against_checkpoint_head(image_folder, t
     # no class count given anywhere: the checkpoint's head decides
     again = sources.create_model("torchvision:resnet18", checkpoint=tmp_path / "r18_5.pth")
     assert again.fc.out_features == 5
+
+
+def test_option_values_read_json_and_python_literals():
+    from bayesify.cli_inputs import key_values
+
+    got = key_values(["heads=False", "sharpen=true", "grid=[1, 2]", "n=4", "name=resnet",
+                      "seed=None", "x=1.5"], "--option")
+    assert got == {"heads": False, "sharpen": True, "grid": [1, 2], "n": 4, "name": "resnet",
+                   "seed": None, "x": 1.5}
+    assert got["heads"] is False and got["n"] == 4 and isinstance(got["n"], int)

@@ -114,13 +114,21 @@ def add_source_arguments(parser: argparse.ArgumentParser, *, posterior: bool) ->
                                  "when present, else 1)")
 
 
+_PYTHON_LITERALS: dict[str, Any] = {"True": True, "False": False, "None": None}
+
+
 def key_values(items: list[str] | None, flag: str) -> dict[str, Any]:
-    """``["k=v", ...]`` → dict; values parsed as JSON when possible (``4``, ``[1,2]``)."""
+    """``["k=v", ...]`` → dict; values parsed as JSON when possible (``4``, ``[1,2]``);
+    Python's ``True``/``False``/``None`` are read as JSON's ``true``/``false``/``null`` (a
+    Python user's first try; read as the string ``'False'`` they were refused)."""
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise BayesifyError(f"{flag} expects KEY=VALUE, got {item!r}")
+        if value in _PYTHON_LITERALS:
+            out[key] = _PYTHON_LITERALS[value]
+            continue
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
