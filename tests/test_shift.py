@@ -198,11 +198,12 @@ def test_a_sharpening_family_sharpens_only_the_values_that_need_it():
 
 
 @pytest.mark.parametrize("family", ["dropout", pytest.param("mnf", marks=pytest.mark.slow)])
-def test_the_search_skips_only_shifted_passes_the_choice_cannot_read(digits, digits_map, family,
-                                                                     monkeypatch):
+def test_the_search_skips_only_passes_the_choice_cannot_read(digits, digits_map, family,
+                                                             monkeypatch):
     """A value no temperature makes feasible on the clean split is never chosen by its shifted
-    NLL, so the search skips its shifted pass: the same choice, temperature and validation
-    NLLs as scoring every value, and the skipped values' entries are ``None``."""
+    NLL, so the search skips its shifted pass; and the walk coarse to fine scores every other
+    value, then the neighbours of its choice: the same choice, temperature and validation
+    NLLs as scoring every value on both splits, the skipped values' entries ``None``."""
     import copy
 
     from torch.utils.data import DataLoader
@@ -216,8 +217,9 @@ def test_the_search_skips_only_shifted_passes_the_choice_cannot_read(digits, dig
     train = DataLoader(torch.utils.data.TensorDataset(x[:128], y[:128]), batch_size=32)
 
     def searched(every: bool) -> dict:
-        if every:  # the skip's own test passes every value
+        if every:  # the skip's own test passes every value, and the walk scores every value
             monkeypatch.setattr(tuning, "feasible", lambda c, r: torch.ones(c.shape[:2], dtype=torch.bool))
+            monkeypatch.setattr(tuning, "COARSE_TO_FINE", False)
         torch.manual_seed(0)
         bnn = bayesify.bayesify(copy.deepcopy(digits_map), family)
         record = bayesify.fit(bnn, train, val_loader=val, epochs=1, progress=False, seed=0).last
@@ -226,9 +228,13 @@ def test_the_search_skips_only_shifted_passes_the_choice_cannot_read(digits, dig
 
     skipping, scoring = searched(False), searched(True)
     knob = next(k[:-len("_shift_nll")] for k in skipping if k.endswith("_shift_nll"))
-    assert None in skipping[f"{knob}_shift_nll"], "no value was skipped: the test tests nothing"
-    assert None not in scoring[f"{knob}_shift_nll"]
-    for key in (knob, "temperature", "val_nll", "val_shift_nll", f"{knob}_val_nll"):
+    assert any(c is not None and s is None for c, s in zip(
+        skipping[f"{knob}_val_nll"], skipping[f"{knob}_shift_nll"])), \
+        "no scored value's shifted pass was skipped: the test tests nothing"
+    assert None in skipping[f"{knob}_val_nll"], "the walk scored every value: it tests nothing"
+    assert None not in scoring[f"{knob}_shift_nll"] and None not in scoring[f"{knob}_val_nll"]
+    for key in (knob, "temperature", "val_nll", "val_shift_nll"):
         assert skipping[key] == scoring[key], key
-    for mine, every in zip(skipping[f"{knob}_shift_nll"], scoring[f"{knob}_shift_nll"]):
-        assert mine is None or mine == every
+    for curve in ("_val_nll", "_shift_nll"):
+        for mine, every in zip(skipping[knob + curve], scoring[knob + curve], strict=True):
+            assert mine is None or mine == every

@@ -108,6 +108,14 @@ TEMPERATURES: tuple[float, ...] = tuple(sorted({*log_grid((0.05, 1.0, 18)),
                                                 *log_grid((1.0, 16.0, 17))}))
 
 
+#: a per-value knob search scores every value of a grid of at most this many values; a longer
+#: grid coarse to fine (:func:`_first_values`, :func:`_neighbours`)
+FULL_GRID = 4
+#: False: score every value of every grid (the exhaustive search the coarse-to-fine walk is
+#: tested against)
+COARSE_TO_FINE = True
+
+
 def sharpening_allowed(bnn: BayesianModel) -> bool:
     """Whether the search may choose T < 1 for ``bnn``'s family (``sharpens_predictive``,
     unless its config's ``sharpen`` option is False)."""
@@ -363,56 +371,15 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             columns = ((_at_least(TEMPERATURES[0]) if sharpens else allowed) if temperature
                        else [TEMPERATURES.index(1.0)])
             below = [TEMPERATURES[c] < floor for c in columns]
-            clean, shifted, errors = [], [], []  # shifted: None where not scored
-            wants_shift = shift_batches is not None or (shift is not None and bool(shift.levels))
-
-            def shifted_nll() -> torch.Tensor:
-                """``[T, m]`` of the knob's current value on the shifted split alone."""
-                return _split(candidate_nll(bnn, batches, ctx, shift, shift_batches,
-                                            clean=False)[1])[0]
-
-            if knob is not None and knob.grid_log_probs is not None:  # one pass, every value
-                for c, s in grid_nll(knob.grid_log_probs, batches, ctx, shift, shift_batches):
-                    _add_scores(clean, errors, shifted, c, s)
-                bar.update(len(values))
-            else:
-                # the shifted passes only for values some temperature makes feasible on the
-                # clean split: the choice reads the shifted NLL of feasible values alone
-                # (choose_joint), so the others' cost a pass each for nothing (MNF on the CNN
-                # protocol: 4 of its 8 noise scales)
-                for value in values:
-                    if knob is not None:
-                        knob.set(value)
-                    c, e = _add_scores(clean, errors, shifted,
-                                       candidate_nll(bnn, batches, ctx, None, None)[0], None)
-                    if wants_shift and (knob is None or knob.rule != "min") and bool(
-                            (feasible(c[None, columns], reference)
-                             & _admissible(c[None, columns], e[None], error_cap=error_cap,
-                                           reference=reference, below=below)).any()):
-                        shifted[-1] = shifted_nll()
-                    bar.update(1)
-            clean_t = torch.stack(clean)[:, columns]
-            shifted_t = _stacked(shifted, columns)
-            admissible = _admissible(clean_t, torch.stack(errors), error_cap=error_cap,
-                                     reference=reference, below=below)
-            if knob is not None and knob.rule == "min":  # the lowest clean NLL, nothing else
-                flat = int(clean_t.mean(-1).argmin())
-                v, t = flat // clean_t.shape[1], flat % clean_t.shape[1]
-            else:
-                v, t = choose_joint(clean_t, shifted_t, reference,
-                                    prefer=knob.prefer if knob is not None else "largest",
-                                    grid=values if knob is not None else None,
-                                    admissible=admissible)
+            walk = _KnobWalk(bnn, knob, values, batches, ctx, shift, shift_batches,
+                             reference=reference, error_cap=error_cap, columns=columns,
+                             below=below, bar=bar)
+            v, t = walk.run()
+            clean, shifted = walk.clean, walk.shifted
             chosen_t = TEMPERATURES[columns[t]]
             if knob is not None:
                 knob.set(values[v])
-            if wants_shift and shifted[v] is None:
-                # the chosen value's shifted pass was skipped (nothing was feasible, or rule
-                # 'min'): scored now, for the record
-                shifted[v] = shifted_nll()
-                shifted_t = _stacked(shifted, columns)
-            if knob is not None:
-                record.update(_curves(knob, values, v, t, clean_t, shifted_t))
+                record.update(_curves(knob, values, v, columns[t], clean, shifted))
                 _warn_at_edge(bnn, knob, values, v)
                 logger.info("%s: %s = %.3g, temperature %.3g chosen on validation (%s)",
                             bnn.method_name, knob.name, values[v], chosen_t, knob.meaning)
@@ -422,9 +389,9 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                 logger.info("%s: temperature %.3g chosen on validation", bnn.method_name,
                             chosen_t)
             record["temperature"] = chosen_t
-            record["val_nll"] = float(clean_t[v, t].mean())
-            if shifted_t is not None:
-                record["val_shift_nll"] = float(shifted_t[v, t].mean())
+            record["val_nll"] = float(clean[v][columns[t]].mean())
+            if shifted[v] is not None:
+                record["val_shift_nll"] = float(shifted[v][columns[t]].mean())
         bar.close()
         bnn.state.set("temperature", record["temperature"])
         bnn.temperature_source = "search" if temperature else "default"
@@ -436,6 +403,99 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     return record
 
 
+class _KnobWalk:
+    """The scores of one knob's values and the choice among them (:func:`search_knobs`):
+    a knob with ``grid_log_probs`` scores every value from one pass; any other scores them
+    one pass each, coarse to fine — every other value (:func:`_first_values`), then the
+    unscored grid neighbours of the current choice (:func:`_neighbours`) until it has none.
+    Where the chosen shifted NLL along the grid has one valley (as on every curve of the
+    quality protocols) that is the exhaustive search's choice, for 5–6 of the spread grid's 8
+    passes."""
+
+    def __init__(self, bnn: BayesianModel, knob: Knob | None, values: list[float],
+                 batches: Batches, ctx: DistContext, shift: ShiftSignal | None,
+                 shift_batches: Batches | None, *, reference: torch.Tensor, error_cap: float,
+                 columns: list[int], below: list[bool], bar: Any) -> None:
+        self.bnn, self.knob, self.values, self.bar = bnn, knob, values, bar
+        self.batches, self.ctx, self.shift, self.shift_batches = batches, ctx, shift, shift_batches
+        self.reference, self.error_cap = reference, error_cap
+        self.columns, self.below = columns, below
+        #: per value index: clean ``[T, n]``, errors ``[n]``, shifted ``[T, m]`` or None
+        self.clean: dict[int, torch.Tensor] = {}
+        self.errors: dict[int, torch.Tensor] = {}
+        self.shifted: dict[int, torch.Tensor | None] = {}
+        self.wants_shift = shift_batches is not None or (shift is not None and bool(shift.levels))
+
+    def run(self) -> tuple[int, int]:
+        """(value index, temperature position in ``columns``); the knob is left at the
+        last value scored."""
+        knob, values = self.knob, self.values
+        if knob is not None and knob.grid_log_probs is not None:  # one pass, every value
+            for i, (c, s) in enumerate(grid_nll(knob.grid_log_probs, self.batches, self.ctx,
+                                                self.shift, self.shift_batches)):
+                self.clean[i], self.errors[i] = _split(c)
+                self.shifted[i] = None if s is None else _split(s)[0]
+            self.bar.update(len(values))
+            v, t = self.choose()
+        else:
+            for i in _first_values(values):
+                self.score(i)
+            while True:
+                v, t = self.choose()
+                more = [i for i in _neighbours(values, v) if i not in self.clean]
+                if not more:
+                    break
+                for i in more:
+                    self.score(i)
+            self.bar.update(len(values) - len(self.clean))
+        if self.wants_shift and self.shifted[v] is None:
+            # the chosen value's shifted pass was skipped (nothing was feasible, or rule
+            # 'min'): scored now, for the record
+            if knob is not None:
+                knob.set(values[v])
+            self.shifted[v] = self.shifted_nll()
+        return v, t
+
+    def shifted_nll(self) -> torch.Tensor:
+        """``[T, m]`` of the knob's current value on the shifted split alone."""
+        return _split(candidate_nll(self.bnn, self.batches, self.ctx, self.shift,
+                                    self.shift_batches, clean=False)[1])[0]
+
+    def score(self, i: int) -> None:
+        """Value ``i``'s clean scores; its shifted ones only if some temperature makes it
+        feasible on the clean split: the choice reads the shifted NLL of feasible values
+        alone (choose_joint), so the others' cost a pass each for nothing (MNF on the CNN
+        protocol: 4 of its 8 noise scales)."""
+        knob, columns = self.knob, self.columns
+        if knob is not None:
+            knob.set(self.values[i])
+        c, e = _split(candidate_nll(self.bnn, self.batches, self.ctx, None, None)[0])
+        self.clean[i], self.errors[i], self.shifted[i] = c, e, None
+        if self.wants_shift and (knob is None or knob.rule != "min") and bool(
+                (feasible(c[None, columns], self.reference)
+                 & _admissible(c[None, columns], e[None], error_cap=self.error_cap,
+                               reference=self.reference, below=self.below)).any()):
+            self.shifted[i] = self.shifted_nll()
+        self.bar.update(1)
+
+    def choose(self) -> tuple[int, int]:
+        """(value index, temperature position in ``columns``) among the values scored."""
+        done, columns, knob = sorted(self.clean), self.columns, self.knob
+        clean_t = torch.stack([self.clean[i] for i in done])[:, columns]
+        shifted_t = _stacked([self.shifted[i] for i in done], columns)
+        admissible = _admissible(clean_t, torch.stack([self.errors[i] for i in done]),
+                                 error_cap=self.error_cap, reference=self.reference,
+                                 below=self.below)
+        if knob is not None and knob.rule == "min":  # the lowest clean NLL, nothing else
+            flat = int(clean_t.mean(-1).argmin())
+            return done[flat // clean_t.shape[1]], flat % clean_t.shape[1]
+        v, t = choose_joint(clean_t, shifted_t, self.reference,
+                            prefer=knob.prefer if knob is not None else "largest",
+                            grid=[self.values[i] for i in done] if knob is not None else None,
+                            admissible=admissible)
+        return done[v], t
+
+
 def _admissible(clean: torch.Tensor, errors: torch.Tensor, *, error_cap: float,
                 reference: torch.Tensor, below: list[bool]) -> torch.Tensor:
     """``[V, T]`` of ``clean [V, T, n]`` and ``errors [V, n]``: the rules besides the clean
@@ -445,18 +505,6 @@ def _admissible(clean: torch.Tensor, errors: torch.Tensor, *, error_cap: float,
     (``below``) only where the value needs it (:func:`_sharpen_only_if_needed`)."""
     ok = (errors.mean(-1) <= error_cap + 1e-12).view(-1, 1).expand(len(clean), len(below))
     return _sharpen_only_if_needed(clean, reference, ok, below)
-
-
-def _add_scores(clean: list[torch.Tensor], errors: list[torch.Tensor],
-                shifted: list[torch.Tensor | None], c: torch.Tensor,
-                s: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append one value's clean ``[T, n]``, errors ``[n]`` and shifted ``[T, m]`` (or None)
-    scores (:func:`_split`); returns its clean scores and errors."""
-    c, e = _split(c)
-    clean.append(c)
-    errors.append(e)
-    shifted.append(None if s is None else _split(s)[0])
-    return c, e
 
 
 def _stacked(shifted: list[torch.Tensor | None], columns: list[int]) -> torch.Tensor | None:
@@ -486,14 +534,38 @@ def _sharpen_only_if_needed(clean: torch.Tensor, reference: torch.Tensor,
     return admissible & ~(below_t.view(1, -1) & settled.view(-1, 1))
 
 
-def _curves(knob: Knob, values: list[float], v: int, t: int, clean: torch.Tensor,
-            shifted: torch.Tensor | None) -> dict[str, Any]:
+def _curves(knob: Knob, values: list[float], v: int, t: int, clean: dict[int, torch.Tensor],
+            shifted: dict[int, torch.Tensor | None]) -> dict[str, Any]:
+    """The record's curves of one knob at the chosen temperature (index ``t`` of
+    :data:`TEMPERATURES`): None for a value the search did not score (clean: skipped by the
+    coarse-to-fine walk; shifted: also where no temperature made the value feasible)."""
     out = {knob.name: values[v], f"{knob.name}_grid": values,
-           f"{knob.name}_val_nll": [float(c[t].mean()) for c in clean]}
-    if shifted is not None:
-        out[f"{knob.name}_shift_nll"] = [None if bool(s[t].isnan().all()) else float(s[t].mean())
-                                          for s in shifted]  # None: not scored (infeasible)
+           f"{knob.name}_val_nll": [float(clean[i][t].mean()) if i in clean else None
+                                    for i in range(len(values))]}
+    if any(s is not None for s in shifted.values()):
+        out[f"{knob.name}_shift_nll"] = [
+            float(shifted[i][t].mean()) if shifted.get(i) is not None else None  # type: ignore[index]
+            for i in range(len(values))]
     return out
+
+
+def _first_values(values: list[float]) -> list[int]:
+    """The values a per-value search scores first: all of a grid of at most
+    :data:`FULL_GRID` values, else every other one in value order, both ends included
+    (``ceil(V / 2)`` evenly spaced positions: 0, 0.25, 1, 2 of the spread grid)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    if len(values) <= FULL_GRID or not COARSE_TO_FINE:
+        return order
+    count = math.ceil(len(values) / 2)
+    positions = sorted({round(k * (len(values) - 1) / (count - 1)) for k in range(count)})
+    return [order[p] for p in positions]
+
+
+def _neighbours(values: list[float], index: int) -> list[int]:
+    """The indices of the values just below and just above ``values[index]``."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    at = order.index(index)
+    return [order[p] for p in (at - 1, at + 1) if 0 <= p < len(order)]
 
 
 def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: int) -> None:
