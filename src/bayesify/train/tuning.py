@@ -20,7 +20,10 @@ every candidate twice:
 
 Among feasible (knob value, temperature) pairs the one with the lowest shifted NLL is
 chosen (:func:`bayesify.core.selection.choose_joint`); ties go to the broadest posterior
-(``knob.prefer``). The temperature acts on the predictive's log-probabilities
+(``knob.prefer``). A value costs a pass over the split each (clean; shifted only where some
+temperature makes it feasible), so a grid of more than :data:`FULL_GRID` values is walked
+coarse to fine (:class:`_KnobWalk`): every other value, then the unscored neighbours of the
+choice until it has none. The temperature acts on the predictive's log-probabilities
 (``softmax(log p̄ / T)``, :meth:`~bayesify.core.prediction.Prediction.scaled`) and is searched
 on :data:`TEMPERATURES` (0.05 to 16, log grid) for families whose spread is larger off the
 data (``sharpens_predictive`` on the family class: Laplace — a GLM's epistemic variance
@@ -44,7 +47,8 @@ contiguous shard and keeps only per-example NLL on the CPU (8 bytes per example 
 temperature); the shards are gathered in rank order, so every rank chooses what a single
 process would. The curves go into the record::
 
-    {name: value, f"{name}_grid": [...], f"{name}_val_nll": [...], f"{name}_shift_nll": [...],
+    {name: value, f"{name}_grid": [...], f"{name}_val_nll": [...],  # None: not scored
+     f"{name}_shift_nll": [...],
      "temperature": T, "start_tempered_val_nll": ..., "shift": {kind: strength} | "shift_loader"}
 
 ``fit(val_loader=...)`` runs it after the last epoch; :func:`tune` runs it on its own
