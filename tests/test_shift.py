@@ -238,3 +238,68 @@ def test_the_search_skips_only_passes_the_choice_cannot_read(digits, digits_map,
     for curve in ("_val_nll", "_shift_nll"):
         for mine, every in zip(skipping[knob + curve], scoring[knob + curve], strict=True):
             assert mine is None or mine == every
+
+
+def _walk_scores(monkeypatch, clean_at, shift_at, values):
+    """Run :class:`bayesify.train.tuning._KnobWalk` on synthetic per-value scores
+    (``clean_at[i]``, ``shift_at[i]``: every example's NLL at T = 1, higher at every other
+    temperature); returns (chosen index, indices scored)."""
+    from contextlib import nullcontext
+
+    from bayesify.core.fitting import Knob
+    from bayesify.train import tuning
+
+    temps = tuning.TEMPERATURES
+    one = temps.index(1.0)
+    current = [values[0]]
+    n = 40
+
+    def rows(level: float) -> torch.Tensor:
+        nll = torch.full((len(temps), n), float(level), dtype=torch.float64)
+        nll += torch.tensor([0.0 if i == one else 0.3 for i in range(len(temps))],
+                            dtype=torch.float64).unsqueeze(1)
+        return torch.cat([nll, torch.zeros(1, n, dtype=torch.float64)])
+
+    def fake_candidate(bnn, batches, ctx, shift, shift_batches, *, clean=True):
+        i = values.index(current[0])
+        return (rows(clean_at[i]) if clean else None), rows(shift_at[i])
+
+    monkeypatch.setattr(tuning, "candidate_nll", fake_candidate)
+    knob = Knob(name="k", grid=tuple(values), meaning="m",
+                set=lambda v: current.__setitem__(0, v))
+    bar = nullcontext()
+    bar.update = lambda k: None  # type: ignore[attr-defined]
+    walk = tuning._KnobWalk(None, knob, list(values), None, None, None, lambda: iter(()),
+                            reference=torch.full((n,), 0.1, dtype=torch.float64),
+                            error_cap=1.0, columns=list(range(len(temps))),
+                            below=[False] * len(temps), bar=bar)
+    v, _ = walk.run()
+    return v, sorted(walk.clean)
+
+
+@pytest.mark.parametrize("case", ["valley", "edge after a flat stretch", "none feasible",
+                                  "narrow end"])
+def test_the_coarse_to_fine_walk_finds_the_exhaustive_choice(monkeypatch, case):
+    """Synthetic curves over the 8-value spread grid: an interior valley, the lowest shifted
+    NLL at the feasibility edge after a flat stretch (SWAG's shape), nothing feasible (the
+    lowest clean NLL), the narrow end best: the walk chooses what scoring every value
+    chooses, and scores fewer than all."""
+    from bayesify.train import tuning
+
+    values = [0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0]
+    ok, bad = 0.1, 0.6
+    clean_at, shift_at = {
+        "valley": ([ok] * 8, [2.0, 1.9, 1.8, 1.7, 1.75, 1.8, 1.9, 2.0]),
+        "edge after a flat stretch": ([ok] * 5 + [bad] * 3,
+                                      [2.0, 2.01, 2.0, 2.02, 1.8, 1.0, 0.9, 0.8]),
+        "none feasible": ([0.7, 0.65, 0.62, 0.61, 0.6, 0.63, 0.7, 0.8], [1.0] * 8),
+        "narrow end": ([ok] * 8, [1.0, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8]),
+    }[case]
+    expected = {"valley": 3, "edge after a flat stretch": 4, "none feasible": 4,
+                "narrow end": 0}[case]
+    chosen, scored = _walk_scores(monkeypatch, clean_at, shift_at, values)
+    monkeypatch.setattr(tuning, "COARSE_TO_FINE", False)
+    every, all_scored = _walk_scores(monkeypatch, clean_at, shift_at, values)
+    assert all_scored == list(range(8)) and every == expected
+    assert chosen == expected, (case, chosen, scored)
+    assert len(scored) < 8, scored

@@ -411,10 +411,10 @@ class _KnobWalk:
     """The scores of one knob's values and the choice among them (:func:`search_knobs`):
     a knob with ``grid_log_probs`` scores every value from one pass; any other scores them
     one pass each, coarse to fine — every other value (:func:`_first_values`), then the
-    unscored grid neighbours of the current choice (:func:`_neighbours`) until it has none.
-    Where the chosen shifted NLL along the grid has one valley (as on every curve of the
-    quality protocols) that is the exhaustive search's choice, for 5–6 of the spread grid's 8
-    passes."""
+    unscored grid neighbours (:func:`_neighbours`) of the current choice and of the broadest
+    feasible value (:meth:`edge`) until they have none. Where the shifted NLL of the
+    feasible values has one valley along the grid, or its lowest at the feasibility edge,
+    that is the exhaustive search's choice."""
 
     def __init__(self, bnn: BayesianModel, knob: Knob | None, values: list[float],
                  batches: Batches, ctx: DistContext, shift: ShiftSignal | None,
@@ -446,7 +446,8 @@ class _KnobWalk:
                 self.score(i)
             while True:
                 v, t = self.choose()
-                more = [i for i in _neighbours(values, v) if i not in self.clean]
+                more = [i for i in {*_neighbours(values, v), *_neighbours(values, self.edge())}
+                        if i not in self.clean]
                 if not more:
                     break
                 for i in more:
@@ -482,14 +483,34 @@ class _KnobWalk:
             self.shifted[i] = self.shifted_nll()
         self.bar.update(1)
 
+    def _admissible(self, done: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[V, T]`` clean scores of the values ``done`` at ``columns`` and their
+        :func:`_admissible` mask."""
+        clean_t = torch.stack([self.clean[i] for i in done])[:, self.columns]
+        return clean_t, _admissible(clean_t, torch.stack([self.errors[i] for i in done]),
+                                    error_cap=self.error_cap, reference=self.reference,
+                                    below=self.below)
+
+    def edge(self) -> int:
+        """The broadest scored value (``knob.prefer``) that some temperature makes feasible
+        (the narrowest scored value when none is): the shifted NLL of a spread knob often
+        falls until feasibility stops it, after a flat stretch where the valley search alone
+        stops early (SWAG's scale on the CNN protocol, seed 2: 1.95, 1.96, 1.96, 1.97, 1.95,
+        1.93, then infeasible)."""
+        done = sorted(self.clean, key=lambda i: self.values[i])
+        clean_t, admissible = self._admissible(done)
+        ok = (feasible(clean_t, self.reference) & admissible).any(1)
+        largest = self.knob is None or self.knob.prefer == "largest"
+        feasible_values = [i for i, good in zip(done, ok.tolist(), strict=True) if good]
+        if not feasible_values:
+            return done[0] if largest else done[-1]
+        return feasible_values[-1] if largest else feasible_values[0]
+
     def choose(self) -> tuple[int, int]:
         """(value index, temperature position in ``columns``) among the values scored."""
-        done, columns, knob = sorted(self.clean), self.columns, self.knob
-        clean_t = torch.stack([self.clean[i] for i in done])[:, columns]
-        shifted_t = _stacked([self.shifted[i] for i in done], columns)
-        admissible = _admissible(clean_t, torch.stack([self.errors[i] for i in done]),
-                                 error_cap=self.error_cap, reference=self.reference,
-                                 below=self.below)
+        done, knob = sorted(self.clean), self.knob
+        clean_t, admissible = self._admissible(done)
+        shifted_t = _stacked([self.shifted[i] for i in done], self.columns)
         if knob is not None and knob.rule == "min":  # the lowest clean NLL, nothing else
             flat = int(clean_t.mean(-1).argmin())
             return done[flat // clean_t.shape[1]], flat % clean_t.shape[1]
