@@ -157,6 +157,37 @@ def test_prediction_is_reproducible_and_chunk_independent():
     assert not torch.allclose(whole, other_seed)
 
 
+@pytest.mark.parametrize("own_generator", [True, False])
+def test_sampled_statistics_do_not_depend_on_the_passes_before(own_generator):
+    """A member's recomputed BatchNorm statistics depend on the posterior and its seed, not on
+    how many passes came before: with a shuffling training loader (its own generator, or the
+    global RNG) a scale predicts the same after other scales were installed, and neither RNG
+    stream is moved by the pass."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 1, 6, 6, generator=g)
+    y = torch.randint(0, 3, (48,), generator=g)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True,
+                        generator=torch.Generator().manual_seed(5) if own_generator else None)
+    bnn = bayesify(convnet(), "swag", snapshot_every_steps=1, lr=0.05, bn_update_fraction=0.5)
+    fit(bnn, loader, epochs=2, progress=False)
+    cfg = bnn.method.config
+
+    def member_logits(scale: float) -> torch.Tensor:
+        swag_state.install_scale(bnn, cfg, scale)
+        return bnn.predictor(samples_per_component=3).member_logits(x[:8])
+
+    first = member_logits(0.5)
+    member_logits(30.0)
+    member_logits(2.0)
+    loader_state = loader.generator.get_state() if own_generator else None
+    global_state = torch.random.get_rng_state()
+    again = member_logits(0.5)
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+    assert torch.equal(torch.random.get_rng_state(), global_state)
+    if own_generator:
+        assert torch.equal(loader.generator.get_state(), loader_state)
+
+
 def test_moments_on_cpu_ignore_module_moves():
     bnn = bayesify(mlp().float(), "swag", moments_on_cpu=True)
     bnn.to(torch.float64)

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bayesify import metrics
-from bayesify.core.batch import as_inputs, call_model, iter_batches, limited_batches
+from bayesify.core.batch import (
+    as_inputs,
+    call_model,
+    iter_batches,
+    limited_batches,
+    replayed_order,
+)
 from bayesify.core.checks import explain_shapes
 from bayesify.core.extensions import provide
 from bayesify.core.fitting import BatchSource
@@ -239,8 +245,9 @@ class EnsemblePredictor(BasePredictor):
         self.nonfinite = check_nonfinite_policy(nonfinite)
         self.bnn = bnn
         if bn_loader is not None:  # inputs for the BatchNorm statistics of sampled networks
-            bnn.runtime["bn_source"] = BatchSource(batches=lambda fraction: limited_batches(
-                bn_loader, fraction=fraction, device=bnn.device, batch_fn=batch_fn))
+            bnn.runtime["bn_source"] = BatchSource(batches=lambda fraction: replayed_order(
+                limited_batches(bn_loader, fraction=fraction, device=bnn.device,
+                                batch_fn=batch_fn), bn_loader, bnn.device))
         self.samples_per_component = (
             samples_per_component or bnn.posterior_config.default_samples()
         )

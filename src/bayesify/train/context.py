@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.batch import Batch, BatchFn
+from bayesify.core.batch import Batch, BatchFn, replayed_order
 from bayesify.core.fitting import BatchSource, Knob, Step
 from bayesify.train import steps
 from bayesify.train.data import TrainData, epoch_batches, first_rows, shard_batches
@@ -130,7 +130,10 @@ class TrainContext:
                              batch_fn=self.batch_fn, fraction=fraction)
 
     def source(self) -> BatchSource:
-        return BatchSource(batches=self.batches, mean=self.all_reduce_mean)
+        """The training batches for passes outside the steps (SWAG's BatchNorm statistics),
+        in the same order at every pass (:func:`~bayesify.core.batch.replayed_order`)."""
+        return BatchSource(batches=lambda fraction=1.0: replayed_order(
+            self.batches(fraction), self.train_loader, self.bnn.device), mean=self.all_reduce_mean)
 
     def labelled_rows(self, rows: int) -> list[tuple[Any, torch.Tensor]]:
         """``(model input, labels)`` of this rank's share (``ceil(rows / world size)``) of
