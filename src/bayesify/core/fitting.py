@@ -58,7 +58,12 @@ class Knob:
     ``grid_log_probs``: for a knob whose values leave the network's forward unchanged (a
     GLM prior precision), every grid value's ``[B, C]`` predictive log-probabilities (T = 1)
     of one input batch from one forward, so the search streams the split once for the whole
-    grid instead of once per value (``None``: ``set`` each value and predict).
+    grid instead of once per value (``None``: ``set`` each value and predict); ``smooth``:
+    under the search's fixed noise the predictive moves continuously with the value (a
+    multiplier of a learned std or of member logits), so a long grid may be walked coarse to
+    fine (:class:`bayesify.train.tuning._KnobWalk`); ``False``: every value is scored (a
+    dropout rate: a Bernoulli mask flips as the rate crosses its uniform draw, and the
+    clean NLL along the grid is jagged).
     """
 
     name: str
@@ -71,6 +76,7 @@ class Knob:
     settle: Callable[[], dict[str, Any]] | None = None
     sharpens: bool = False
     grid_log_probs: Callable[[Any], list[torch.Tensor]] | None = None
+    smooth: bool = True
 
 
 @dataclass(frozen=True)

@@ -442,7 +442,8 @@ class _KnobWalk:
             self.bar.update(len(values))
             v, t = self.choose()
         else:
-            for i in _first_values(values):
+            for i in (_first_values(values) if knob is None or knob.smooth
+                      else range(len(values))):
                 self.score(i)
             while True:
                 v, t = self.choose()
