@@ -202,7 +202,7 @@ def test_a_sharpening_family_sharpens_only_the_values_that_need_it():
 def test_the_search_skips_only_passes_the_choice_cannot_read(digits, digits_map, family, walks,
                                                              monkeypatch):
     """A value no temperature makes feasible on the clean split is never chosen by its shifted
-    NLL, so the search skips its shifted pass; and the walk coarse to fine (a smooth knob:
+    NLL, so the search skips its shifted pass; and the walk coarse to fine (a knob that walks:
     not dropout's) scores every other value, then the neighbours of its choice and of the
     feasibility edge: the same choice, temperature and validation NLLs as scoring every
     value on both splits, the skipped values' entries ``None``."""
@@ -245,7 +245,7 @@ def test_the_search_skips_only_passes_the_choice_cannot_read(digits, digits_map,
             assert mine is None or mine == every
 
 
-def _walk_scores(monkeypatch, clean_at, shift_at, values, smooth=True):
+def _walk_scores(monkeypatch, clean_at, shift_at, values, walk=True):
     """Run :class:`bayesify.train.tuning._KnobWalk` on synthetic per-value scores
     (``clean_at[i]``, ``shift_at[i]``: every example's NLL at T = 1, higher at every other
     temperature); returns (chosen index, indices scored)."""
@@ -271,7 +271,7 @@ def _walk_scores(monkeypatch, clean_at, shift_at, values, smooth=True):
 
     monkeypatch.setattr(tuning, "candidate_nll", fake_candidate)
     knob = Knob(name="k", grid=tuple(values), meaning="m",
-                set=lambda v: current.__setitem__(0, v), smooth=smooth)
+                set=lambda v: current.__setitem__(0, v), walk=walk)
     bar = nullcontext()
     bar.update = lambda k: None  # type: ignore[attr-defined]
     walk = tuning._KnobWalk(None, knob, list(values), None, None, None, lambda: iter(()),
@@ -310,14 +310,14 @@ def test_the_coarse_to_fine_walk_finds_the_exhaustive_choice(monkeypatch, case):
     assert len(scored) < 8, scored
 
 
-def test_a_knob_that_is_not_smooth_scores_every_value(monkeypatch):
+def test_a_knob_that_does_not_walk_scores_every_value(monkeypatch):
     """Dropout's jagged curve (ViT protocol, seed 2: only ×0.5 beats the start, between two
-    values that do not): a smooth knob's walk misses it; ``smooth=False`` scores every
+    values that do not): a walk misses it; ``walk=False`` scores every
     value and finds it."""
     values = [0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0]
     clean_at = [0.1, 0.6, 0.6, 0.1, 0.6, 0.6, 0.6, 0.6]
     shift_at = [2.0, 1.0, 1.0, 1.5, 1.0, 1.0, 1.0, 1.0]
     walked, scored = _walk_scores(monkeypatch, clean_at, shift_at, values)
     assert walked == 0 and 3 not in scored
-    every, scored = _walk_scores(monkeypatch, clean_at, shift_at, values, smooth=False)
+    every, scored = _walk_scores(monkeypatch, clean_at, shift_at, values, walk=False)
     assert every == 3 and scored == list(range(8))

@@ -58,12 +58,14 @@ class Knob:
     ``grid_log_probs``: for a knob whose values leave the network's forward unchanged (a
     GLM prior precision), every grid value's ``[B, C]`` predictive log-probabilities (T = 1)
     of one input batch from one forward, so the search streams the split once for the whole
-    grid instead of once per value (``None``: ``set`` each value and predict); ``smooth``:
-    under the search's fixed noise the predictive moves continuously with the value (a
-    multiplier of a learned std or of member logits), so a long grid may be walked coarse to
-    fine (:class:`bayesify.train.tuning._KnobWalk`); ``False``: every value is scored (a
-    dropout rate: a Bernoulli mask flips as the rate crosses its uniform draw, and the
-    clean NLL along the grid is jagged).
+    grid instead of once per value (``None``: ``set`` each value and predict); ``walk``:
+    the search may walk a long grid coarse to fine (:class:`bayesify.train.tuning._KnobWalk`:
+    every other value, then around its choice and the feasibility edge) — for a knob whose
+    predictive moves continuously with the value under the search's fixed noise (a
+    multiplier of a learned std or of member logits) and whose search costs enough to be
+    worth it; ``False``: every value is scored (a dropout rate, along which the clean NLL is
+    jagged: a mask flips as the rate crosses its draw; the epinet, whose whole fit costs
+    1–2 % of a deep ensemble's training).
     """
 
     name: str
@@ -76,7 +78,7 @@ class Knob:
     settle: Callable[[], dict[str, Any]] | None = None
     sharpens: bool = False
     grid_log_probs: Callable[[Any], list[torch.Tensor]] | None = None
-    smooth: bool = True
+    walk: bool = True
 
 
 @dataclass(frozen=True)

@@ -76,11 +76,11 @@ def knob_float(layer: nn.Module) -> float:
 
 def state_knob(bnn: BayesianModel, name: str, *, grid: Iterable[float], meaning: str,
                prefer: str = "largest", initial: float | None = 1.0,
-               smooth: bool = True) -> Knob:
+               walk: bool = True) -> Knob:
     """The :class:`Knob` of the ``bnn.state`` entry ``name`` (1 = the trained posterior)."""
     return Knob(name=name, grid=tuple(float(v) for v in grid), meaning=meaning,
                 set=lambda value: bnn.state.set(name, value), prefer=prefer, initial=initial,
-                smooth=smooth)
+                walk=walk)
 
 
 class ScaledLogits(nn.Module):
@@ -130,17 +130,17 @@ class SpreadKnob:
     """Mixin (before the method base) for families whose knob multiplies the learned
     posterior spread: registered in ``prepare`` for every injected layer, declared by
     ``knobs``. Set ``knob`` (the state name), ``knob_meaning`` and, to narrow it,
-    ``knob_grid``; ``knob_smooth`` False where the predictive jumps along the grid
-    (:attr:`~bayesify.core.fitting.Knob.smooth`)."""
+    ``knob_grid``; ``knob_walk`` False to score every value of the grid
+    (:attr:`~bayesify.core.fitting.Knob.walk`)."""
 
     knob: str = ""
     knob_meaning: str = ""
     knob_grid: tuple[float, ...] = SPREAD_GRID
-    knob_smooth: bool = True
+    knob_walk: bool = True
 
     def prepare(self, bnn: BayesianModel) -> None:
         add_knob(bnn, self.knob, layers=bnn.bayesian_layers().values())
 
     def knobs(self, bnn: BayesianModel) -> list[Knob]:
         return [state_knob(bnn, self.knob, grid=self.knob_grid, meaning=self.knob_meaning,
-                           smooth=self.knob_smooth)]
+                           walk=self.knob_walk)]

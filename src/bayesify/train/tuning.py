@@ -442,7 +442,7 @@ class _KnobWalk:
             self.bar.update(len(values))
             v, t = self.choose()
         else:
-            for i in (_first_values(values) if knob is None or knob.smooth
+            for i in (_first_values(values) if knob is None or knob.walk
                       else range(len(values))):
                 self.score(i)
             while True:

@@ -42,7 +42,7 @@ class DropoutMethod(SpreadKnob, NoiseFamily):
     # every value scored: on the ViT protocol's seed 2 the rate ×0.5 gave clean validation
     # NLL 0.2365 between ×0.25 (0.2622) and ×0.75 (0.2600) — start 0.2596 — and a walk from
     # every other value never scored it (0.014 nats worse on test)
-    knob_smooth = False
+    knob_walk = False
     wrappers: ClassVar = wrapper_table(DropoutLayer)
 
     def prepare(self, bnn: BayesianModel) -> None:
