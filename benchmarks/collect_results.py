@@ -60,6 +60,13 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session11.md", "The knob search walks its grid coarse to fine; SWAG's "
+             "BatchNorm pass in a fixed order; every family on two protocols again",
+             "BAYESIFY_BENCH_CACHE=cache_m0 python benchmarks/quality.py --protocol P --seeds 0 "
+             "1 2 --save-seeds --methods ...; python benchmarks/which_family.py ...; "
+             "BAYESIFY_STRESS_TEST=1 BAYESIFY_STRESS_TABLE=F pytest -m slow "
+             "tests/test_stress_pretrained.py -k 'every_family and True'; the text is written "
+             "by hand"),
         Part("session10.md", "Laplace over more than the last layer (the library's subnetwork "
              "diagonal; laplace-torch's KFAC over the last block and every layer), the "
              "hypernet's fit halved, the step guard's per-step copy, the search's skipped "
