@@ -434,3 +434,27 @@ def _without_start(search_knobs):
     def search(*args, start=None, **kwargs):
         return search_knobs(*args, **kwargs)
     return search
+
+
+@pytest.mark.parametrize("method", ["ensemble", "laplace"])
+def test_loading_a_state_drops_what_the_runtime_derived_from_the_old_one(method) -> None:
+    """Keep-best puts a kept state back with ``load_state_dict`` after searching the start
+    (its heads included): the runtime's cached eigendecomposition of the heads' (or
+    Laplace's) curvature must follow the loaded state, not the state it was computed from.
+    A model that predicted with state A and then loaded state B predicts as B does."""
+    from bayesify.core.state import RuntimeCache
+
+    a = _fitted(method) if method != "laplace" else bayesify(_net(), method="laplace")
+    if method == "laplace":
+        fit(a, _loader(), val_loader=_loader(32, 2))
+    b = bayesify(_net(), method=method, **({"laplace_heads": True} if method != "laplace" else {}))
+    fit(b, _loader(48, 7), val_loader=_loader(32, 8),
+        **({"epochs": 2} if method != "laplace" else {}))
+    x, _ = _data(16, 3)
+    before = a.predictor().predict(x).log_probs
+    assert set(a.runtime) & {"laplace_heads_posterior", "laplace_posterior"}
+    a.load_state_dict(b.state_dict())
+    assert isinstance(a.runtime, RuntimeCache)
+    assert not set(a.runtime) & {"laplace_heads_posterior", "laplace_posterior"}
+    torch.testing.assert_close(a.predictor().predict(x).log_probs, b.predictor().predict(x).log_probs)
+    assert not torch.allclose(before, b.predictor().predict(x).log_probs)

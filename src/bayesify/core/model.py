@@ -20,7 +20,7 @@ from bayesify.core.locks import model_lock
 from bayesify.core.names import base_name, in_base_layer, posterior_name
 from bayesify.core.outputs import logits_of
 from bayesify.core.signature import forward_with_signature
-from bayesify.core.state import PosteriorState, RuntimeCache
+from bayesify.core.state import PosteriorState, RuntimeCache, forget_derived_on_load
 from bayesify.core.walker import replace_modules
 
 if TYPE_CHECKING:
@@ -76,6 +76,7 @@ class BayesianModel(nn.Module):
         self.temperature_source = "default"
         #: per-model caches and data sources of the family: never saved (see RuntimeCache)
         self.runtime = RuntimeCache()
+        self.register_load_state_dict_post_hook(forget_derived_on_load)
         self.bn_train = False
         # inspect.signature(bnn.forward) is the wrapped model's (HF Trainer column pruning)
         bound = forward_with_signature(self, type(self).forward, model)

@@ -46,6 +46,7 @@ from bayesify.core.names import BASE_LAYER, base_name
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.core.selection import log_grid
+from bayesify.core.state import derived
 from bayesify.core.walker import find_classifier
 from bayesify.errors import BayesifyError
 from bayesify.kit.knobs import MemberTemperature
@@ -64,7 +65,7 @@ _H = "heads_ggn_full"
 #: NLL under shift and higher OOD AUROC than KFAC on both quality protocols; per component a
 #: P × P matrix and an eigendecomposition, and P·C projections per member and example
 FULL_PARAMS = 1024
-_CACHE = "laplace_heads_posterior"
+_CACHE = derived("laplace_heads_posterior")
 #: τ grid of the search (log-spaced); large τ is the family's own predictive
 TAU_GRID = (1e-4, 1e4, 17)
 #: the predictor's seed the heads are fitted for

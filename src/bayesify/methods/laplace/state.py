@@ -16,6 +16,7 @@ from torch import nn
 
 from bayesify.core.names import wrapped_name
 from bayesify.core.outputs import logits_of
+from bayesify.core.state import derived
 from bayesify.errors import BayesifyError
 from bayesify.methods.laplace import posterior as post
 from bayesify.methods.laplace.config import LaplaceConfig
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 LAST_LAYER_POSTERIORS = {"kron": post.LastLayerKron, "diag": post.LastLayerDiag,
                          "full": post.LastLayerFull}
-_POSTERIOR = "laplace_posterior"
+_POSTERIOR = derived("laplace_posterior")
 _CLASSES = "laplace_classes"
 
 

@@ -19,6 +19,7 @@ import torch
 from bayesify.core.batch import call_model
 from bayesify.core.names import base_name
 from bayesify.core.outputs import logits_of
+from bayesify.core.state import derived
 from bayesify.errors import BayesifyError
 from bayesify.kit.steps import count_correct, keeps_accuracy
 from bayesify.methods.swag import posterior as post
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BN_SOURCE = "bn_source"
-_BN_CACHE = "swag_bn_cache"
+_BN_CACHE = derived("swag_bn_cache")
 #: ``swag_bn_members`` values: 0 = nothing stored, 1 = the seed-0 members' recomputed
 #: statistics are stored; PRETRAINED_BN = recomputation was rejected
 #: (:func:`choose_batchnorm`): θ̄ and every sampled network keep the pretrained statistics
