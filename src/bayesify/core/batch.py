@@ -425,6 +425,12 @@ def limited_batches(loader: Any, *, fraction: float, device: torch.device | str 
 ORDER_SEED = 0
 
 
+def rng_devices(device: torch.device | str | None) -> list[int]:
+    """The CUDA device whose RNG ``torch.random.fork_rng`` must also keep (none on CPU)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    return [device.index or 0] if device.type == "cuda" else []
+
+
 def replayed_order(batches: Iterable[Batch], loader: Any,
                    device: torch.device | str | None = None) -> Iterator[Batch]:
     """``batches`` (an iterator over ``loader`` not started yet) drawn in the same order at
@@ -439,10 +445,8 @@ def replayed_order(batches: Iterable[Batch], loader: Any,
     margin)."""
     generator = getattr(loader, "generator", None)
     state = generator.get_state() if isinstance(generator, torch.Generator) else None
-    device = torch.device(device) if device is not None else torch.device("cpu")
     try:
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda"
-                                   else []):
+        with torch.random.fork_rng(devices=rng_devices(device)):
             torch.manual_seed(ORDER_SEED)
             yield from batches
     finally:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.batch import BatchFn, call_model
+from bayesify.core.batch import BatchFn, call_model, rng_devices
 from bayesify.core.checks import check_finite_batch, check_labels, explain_shapes
 from bayesify.core.outputs import check_not_probabilities, logits_of
 from bayesify.errors import BayesifyError, NonFiniteLossError
@@ -329,7 +329,7 @@ def fit(
                 began = time.perf_counter()
                 # the global RNG stream of training is left as it was: whether an epoch is
                 # validated (a timing decision, FitClock) must not change the next epochs
-                with torch.random.fork_rng(devices=_rng_devices(ctx.device)):
+                with torch.random.fork_rng(devices=rng_devices(ctx.device)):
                     metrics = validate(desc=f"validate epoch {state.epoch + 1}")
                 record["val_seconds"] = clock.validated(time.perf_counter() - began)
                 record.update({f"val_{k}": v for k, v in metrics.items() if isinstance(v, float)})
@@ -427,11 +427,6 @@ def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str
         "grad_accum_steps": state.grad_accum_steps, "clip_grad_norm": state.clip_grad_norm,
     }
     return json.loads(json.dumps(options))
-
-
-def _rng_devices(device: torch.device) -> list[int]:
-    """The CUDA device whose RNG ``fork_rng`` must also keep (none on CPU)."""
-    return [device.index or 0] if device.type == "cuda" else []
 
 
 def _small_batch_lr(state: TrainContext, lr: float, *, n_train: int, optimizer: str) -> float:

@@ -22,8 +22,8 @@ Among feasible (knob value, temperature) pairs the one with the lowest shifted N
 chosen (:func:`bayesify.core.selection.choose_joint`); ties go to the broadest posterior
 (``knob.prefer``). A value costs a pass over the split each (clean; shifted only where some
 temperature makes it feasible), so a grid of more than :data:`FULL_GRID` values is walked
-coarse to fine (:class:`_KnobWalk`): every other value, then the unscored neighbours of the
-choice until it has none. The temperature acts on the predictive's log-probabilities
+coarse to fine (:class:`_KnobWalk`; ``Knob.walk``): every other value, then the unscored
+neighbours of the choice and of the broadest feasible value until they have none. The temperature acts on the predictive's log-probabilities
 (``softmax(log p̄ / T)``, :meth:`~bayesify.core.prediction.Prediction.scaled`) and is searched
 on :data:`TEMPERATURES` (0.05 to 16, log grid) for families whose spread is larger off the
 data (``sharpens_predictive`` on the family class: Laplace — a GLM's epistemic variance
