@@ -430,6 +430,8 @@ class _KnobWalk:
         self.clean: dict[int, torch.Tensor] = {}
         self.errors: dict[int, torch.Tensor] = {}
         self.shifted: dict[int, torch.Tensor | None] = {}
+        #: per value index scored one by one: whether some temperature makes it feasible
+        self.feasible: dict[int, bool] = {}
         self.wants_shift = shift_batches is not None or (shift is not None and bool(shift.levels))
 
     def run(self) -> tuple[int, int]:
@@ -444,8 +446,7 @@ class _KnobWalk:
             self.bar.update(len(values))
             v, t = self.choose()
         else:
-            for i in (_first_values(values) if knob is None or knob.walk
-                      else range(len(values))):
+            for i in _first_values(values, walk=knob is None or knob.walk):
                 self.score(i)
             while True:
                 v, t = self.choose()
@@ -479,20 +480,14 @@ class _KnobWalk:
             knob.set(self.values[i])
         c, e = _split(candidate_nll(self.bnn, self.batches, self.ctx, None, None)[0])
         self.clean[i], self.errors[i], self.shifted[i] = c, e, None
-        if self.wants_shift and (knob is None or knob.rule != "min") and bool(
-                (feasible(c[None, columns], self.reference)
-                 & _admissible(c[None, columns], e[None], error_cap=self.error_cap,
-                               reference=self.reference, below=self.below)).any()):
+        self.feasible[i] = bool((feasible(c[None, columns], self.reference)
+                                 & _admissible(c[None, columns], e[None],
+                                               error_cap=self.error_cap,
+                                               reference=self.reference,
+                                               below=self.below)).any())
+        if self.wants_shift and (knob is None or knob.rule != "min") and self.feasible[i]:
             self.shifted[i] = self.shifted_nll()
         self.bar.update(1)
-
-    def _admissible(self, done: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[V, T]`` clean scores of the values ``done`` at ``columns`` and their
-        :func:`_admissible` mask."""
-        clean_t = torch.stack([self.clean[i] for i in done])[:, self.columns]
-        return clean_t, _admissible(clean_t, torch.stack([self.errors[i] for i in done]),
-                                    error_cap=self.error_cap, reference=self.reference,
-                                    below=self.below)
 
     def edge(self) -> int:
         """The broadest scored value (``knob.prefer``) that some temperature makes feasible
@@ -501,10 +496,8 @@ class _KnobWalk:
         stops early (SWAG's scale on the CNN protocol, seed 2: 1.95, 1.96, 1.96, 1.97, 1.95,
         1.93, then infeasible)."""
         done = sorted(self.clean, key=lambda i: self.values[i])
-        clean_t, admissible = self._admissible(done)
-        ok = (feasible(clean_t, self.reference) & admissible).any(1)
         largest = self.knob is None or self.knob.prefer == "largest"
-        feasible_values = [i for i, good in zip(done, ok.tolist(), strict=True) if good]
+        feasible_values = [i for i in done if self.feasible[i]]
         if not feasible_values:
             return done[0] if largest else done[-1]
         return feasible_values[-1] if largest else feasible_values[0]
@@ -512,7 +505,10 @@ class _KnobWalk:
     def choose(self) -> tuple[int, int]:
         """(value index, temperature position in ``columns``) among the values scored."""
         done, knob = sorted(self.clean), self.knob
-        clean_t, admissible = self._admissible(done)
+        clean_t = torch.stack([self.clean[i] for i in done])[:, self.columns]
+        admissible = _admissible(clean_t, torch.stack([self.errors[i] for i in done]),
+                                 error_cap=self.error_cap, reference=self.reference,
+                                 below=self.below)
         shifted_t = _stacked([self.shifted[i] for i in done], self.columns)
         if knob is not None and knob.rule == "min":  # the lowest clean NLL, nothing else
             flat = int(clean_t.mean(-1).argmin())
@@ -577,12 +573,13 @@ def _curves(knob: Knob, values: list[float], v: int, t: int, clean: dict[int, to
     return out
 
 
-def _first_values(values: list[float]) -> list[int]:
-    """The values a per-value search scores first: all of a grid of at most
-    :data:`FULL_GRID` values, else every other one in value order, both ends included
-    (``ceil(V / 2)`` evenly spaced positions: 0, 0.25, 1, 2 of the spread grid)."""
+def _first_values(values: list[float], *, walk: bool = True) -> list[int]:
+    """The values a per-value search scores first, in value order: all of them for a knob
+    that does not walk (``Knob.walk``) or a grid of at most :data:`FULL_GRID` values, else
+    every other one, both ends included (``ceil(V / 2)`` evenly spaced positions: 0, 0.25, 1,
+    2 of the spread grid)."""
     order = sorted(range(len(values)), key=lambda i: values[i])
-    if len(values) <= FULL_GRID or not COARSE_TO_FINE:
+    if not walk or len(values) <= FULL_GRID or not COARSE_TO_FINE:
         return order
     count = math.ceil(len(values) / 2)
     positions = sorted({round(k * (len(values) - 1) / (count - 1)) for k in range(count)})
