@@ -263,6 +263,12 @@ def test_only_families_whose_spread_grows_off_the_data_are_sharpened(trained):
     per_t = 0.3 + (0.01 / float(curve[TEMPERATURES.index(1.0)])) * curve.view(-1, 1) \
         * (1 + noise / 0.01).view(1, -1)
     assert network_floor(per_t) == 1.0
+    # a split the start separates: every example's NLL falls as it is sharpened, and the
+    # best temperature is the grid's lowest — not a sign of under-confidence
+    margins = torch.linspace(1.0, 4.0, 50, dtype=torch.float64)
+    per_t = torch.log1p(torch.exp(-margins.view(1, -1) / t.view(-1, 1)))
+    assert int(per_t.mean(1).argmin()) == 0 and float(per_t[TEMPERATURES.index(1.0)].mean()) > 0.05
+    assert network_floor(per_t) == 1.0
 
 
 def test_an_under_confident_start_lets_every_family_sharpen_to_its_temperature(trained):
