@@ -228,6 +228,21 @@ def test_grid_edge_advice_names_the_option_that_exists():
     assert "has no grid option" in ensemble and "calibrate" in ensemble
 
 
+def test_the_narrow_end_warning_says_what_the_search_saw_not_that_the_posterior_is_the_start():
+    """At the narrow end of its grid a posterior may still be far from the start (a MobileNetV3
+    whose ensemble members reached 0.98 validation accuracy from 0.78 chose member temperature
+    1): the warning says what the search found, not that the predictive is the start's."""
+    bnn = bayesify(model(), "ensemble", components=2)
+    knob = bnn.method.knobs(bnn)[0]
+    values = list(knob.grid)
+    narrowest = values.index(min(values) if knob.prefer == "largest" else max(values))
+    with pytest.warns(UserWarning, match="narrowest end") as record:
+        tuning._warn_at_edge(bnn, knob, values, narrowest)
+    message = str(record[0].message)
+    assert "starting network" not in message and "adds little" not in message
+    assert "no broader value did as well on validation" in message and "0.005 nats" in message
+
+
 def test_laplace_is_not_told_to_lower_lr_or_epochs():
     start, last = {"accuracy": 0.9, "nll": 0.3}, {"val_accuracy": 0.5, "val_nll": 0.9}
     refused = tuple(bayesify(model(), "laplace").method.step().refused)

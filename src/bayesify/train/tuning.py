@@ -623,8 +623,10 @@ def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: in
                   else f"Train longer (more epochs), {advice}")
         warnings.warn(
             f"{bnn.method_name}: the validation search chose {knob.name} = {value:g}, the "
-            f"narrowest end of its grid ({knob.meaning}): the predictive is (close to) the "
-            f"starting network's, so the posterior adds little. {advice}", stacklevel=3)
+            f"narrowest end of its grid ({knob.meaning}): no broader value did as well on "
+            f"validation (clean NLL within {CLEAN_TOLERANCE:g} nats of the calibrated start's, "
+            "then the lowest NLL under the search's shifts), so the predictive keeps only the "
+            f"spread training gave the posterior. {advice}", stacklevel=3)
     elif value == broadest:
         warnings.warn(
             f"{bnn.method_name}: the validation search chose {knob.name} = {value:g}, the "
