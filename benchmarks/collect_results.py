@@ -60,6 +60,14 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session12.md", "The temperature floor on a split the start separates; a finer "
+             "temperature grid and a lower floor measured and dropped; a MobileNetV3 and the "
+             "stress matrix without validation",
+             "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol P --seeds 0 1 2 "
+             "--save-seeds --methods ... (each variant); BAYESIFY_STRESS_SEED=S "
+             "BAYESIFY_STRESS_TEST=1 pytest -m slow tests/test_stress_pretrained.py -k "
+             "'every_family and True' (and 'False'); bayesify demo --seed S; the MobileNetV3 "
+             "probe is a /tmp script; the text is written by hand"),
         Part("session11.md", "The knob search walks its grid coarse to fine; SWAG's "
              "BatchNorm pass in a fixed order; every family on two protocols again",
              "BAYESIFY_BENCH_CACHE=cache_m0 python benchmarks/quality.py --protocol P --seeds 0 "
