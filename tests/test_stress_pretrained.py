@@ -28,7 +28,14 @@ import os
 
 import pytest
 import torch
-from stress_nets import TinyTransformer, bn_cnn, lite0, lite0_available, tiny_transformer
+from stress_nets import (
+    TinyTransformer,
+    bn_cnn,
+    lite0,
+    lite0_available,
+    mobilenet_v3,
+    tiny_transformer,
+)
 from test_defaults import base_metrics, bnn_metrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -444,6 +451,7 @@ NETS = {
     "head_1000": lambda s, t: bn_cnn(steps=300, head=1000, seed=s, test=t),
     "batch_of_one": lambda s, t: bn_cnn(steps=300, n_train=64, batch_size=1, seed=s, test=t),
     "transformer": lambda s, t: tiny_transformer(seed=s, test=t),
+    "mobilenet_v3": lambda s, t: mobilenet_v3(seed=s, test=t),
     "minilm": _minilm,
 }
 _built: dict = {}
