@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
     except BayesifyError as err:  # a refused option or resume: the message, no traceback
         if ctx.is_main:
             print(f"{PROG}: error: {err}", file=sys.stderr)
-        cleanup_distributed()
+        cleanup_distributed(barrier=False)  # a rank that failed alone: the others never arrive
         raise SystemExit(2) from None
     final = _final_metrics(bnn, result.history, val_loader, args, ctx, amp, channels_last)
     if ctx.is_main:

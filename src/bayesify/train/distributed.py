@@ -214,9 +214,15 @@ def rank_zero_warnings(ctx: DistContext) -> Iterator[None]:
         yield
 
 
-def cleanup_distributed() -> None:
-    """Destroy the default process group if one exists (call once at script end)."""
+def cleanup_distributed(*, barrier: bool = True) -> None:
+    """Destroy the default process group if one exists (call once at script end), after a
+    barrier: every rank reaches the end before any tears its connections down (without it,
+    ``tests/ddp_scripts/fit_posthoc.py`` under ``torchrun --nproc_per_node=2`` ended in
+    ``terminate called without an active exception`` on both ranks in 4 of 38 runs; with
+    it, 0 of 45). ``barrier=False`` on an error path where another rank may never arrive."""
     if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 
