@@ -153,10 +153,11 @@ def network_floor(start_nll: torch.Tensor | None) -> float:
     whenever sharpening gained at most the tolerance, the demo's MAP on a validation split it
     separates (NLL 0.005–0.007) is best at T = 0.05, and every family sharpened to it —
     corrupted NLL 6.3 → 26 (iBNN) and 6.4 → 25 (Laplace); the CNN quality protocol's seed 0
-    (best at T = 0.84 by < 0.005) gave up 0.004–0.027× the start's shift NLL in ten of its
-    twelve families for 0.001–0.002 nats of clean NLL (benchmarks/results/session12.md). Nor where the start is best at the grid's lowest
-    temperature: that is a split it separates (its NLL falls towards 0 however far it is
-    sharpened), which says nothing about its confidence off the split."""
+    (best at T = 0.84 by < 0.005) gave up 0.004–0.027× the start's shift NLL in every one of
+    its twelve families for 0.001–0.002 nats of clean NLL (benchmarks/results/session12.md).
+    Nor where the start is best at the grid's lowest temperature: that is a split it separates
+    (its NLL falls towards 0 however far it is sharpened), which says nothing about its
+    confidence off the split."""
     if start_nll is None:
         return 1.0
     means = start_nll.mean(-1)
