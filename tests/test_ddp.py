@@ -43,19 +43,23 @@ def free_port() -> int:
 
 def torchrun(script: Path, *args: str, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", str(script), *args]
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+    def launch() -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", str(script), *args]
+        return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
+    proc = launch()
     if proc.returncode != 0 and EXIT_ABORT in proc.stderr:
-        # once, and said: a gloo worker aborting as the process exits (1 run in 10-30 of
-        # fit_posthoc.py in the full suite, also with a barrier before destroy_process_group;
-        # benchmarks/results/session12.md). Any other failure, or the same one twice, fails.
+        # once, and said: a gloo worker aborting as the process exits (fit_posthoc.py, in 2
+        # of the 4 runs of the suite at the twelfth stop, once with a barrier before
+        # destroy_process_group; benchmarks/results/session12.md). Any other failure, or the
+        # same one twice, fails.
         import warnings
 
         warnings.warn(f"torchrun {script.name}: {EXIT_ABORT!r} at exit; run again once")
-        cmd[4] = f"--master_port={free_port()}"
-        proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = launch()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
