@@ -140,37 +140,22 @@ def mobilenet_v3(*, seed: int = 0, steps: int = 600, size: int = 32, n_train: in
     at seed 0, as the float order of the machine's threads gives it
     (benchmarks/results/session12.md)."""
     import torchvision
+    from torch.optim.swa_utils import update_bn
 
     torch.manual_seed(seed)
     x, y, xv, yv, *held = digits_tensors(size=size, n_train=n_train, seed=seed,
                                          n_test=400 if test else 0)
-    rgb = [t.expand(-1, 3, -1, -1).contiguous() for t in (x, xv, *held[:1])]
-    x, xv = rgb[0], rgb[1]
+    x, xv, *held_x = (t.expand(-1, 3, -1, -1).contiguous() for t in (x, xv, *held[:1]))
     model = torchvision.models.mobilenet_v3_small(num_classes=10)
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.05)
-    model.train()
-    for _ in range(steps):
-        idx = torch.randint(0, len(y), (32,), generator=gen)
-        loss = F.cross_entropy(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    for m in norms:  # the statistics of the whole training set (cumulative average)
-        m.reset_running_stats()
-        m.momentum = None
-    with torch.no_grad():
-        for i in range(0, len(y), 50):
-            model(x[i:i + 50])
-    for m in norms:
-        m.momentum = 0.01  # torchvision's
+    _train(model, x, y, steps=steps, lr=2e-3, weight_decay=0.05, seed=seed)
+    # the statistics of the whole training set (a cumulative average; momentum restored)
+    update_bn(DataLoader(TensorDataset(x), batch_size=50), model)
     model.eval()
     train = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
                        generator=torch.Generator().manual_seed(seed))
     val = DataLoader(TensorDataset(xv, yv), batch_size=100)
     if test:
-        return model, train, val, DataLoader(TensorDataset(rgb[2], held[1]), batch_size=100)
+        return model, train, val, DataLoader(TensorDataset(held_x[0], held[1]), batch_size=100)
     return model, train, val
 
 

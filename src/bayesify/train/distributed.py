@@ -220,7 +220,9 @@ def cleanup_distributed(*, barrier: bool = True) -> None:
     barrier: every rank reaches the end before any tears its connections down (without it,
     ``tests/ddp_scripts/fit_posthoc.py`` under ``torchrun --nproc_per_node=2`` ended in
     ``terminate called without an active exception`` on both ranks in 4 of 38 runs; with
-    it, 0 of 45). ``barrier=False`` on an error path where another rank may never arrive."""
+    it, 0 of 75 alone — but once more inside a full test run, so the cause is not settled;
+    benchmarks/results/session12.md). ``barrier=False`` on an error path where another rank
+    may never arrive."""
     if dist.is_available() and dist.is_initialized():
         # objects in reference cycles that hold the group's work (a fit's DDP wrapper) are
         # freed now, while the group and the interpreter are alive, not at interpreter exit
