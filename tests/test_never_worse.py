@@ -227,3 +227,39 @@ def test_a_kept_state_still_infeasible_is_weighed_against_the_searched_start(sta
     start_nll = 0.29  # the start with its heads
     best.retry_start(record, retune)
     assert record["kept"] == "start" and record["kept_val_nll"] == 0.29
+
+
+def test_only_the_handed_back_states_search_speaks(pretrained, monkeypatch):
+    """The search's warnings are about the state it searched: when the never-worse rule hands
+    back another state (searched again), the discarded state's are not shown (a held-out
+    ConvNeXt's rank1 fit said "the narrowest end of its grid" and "the broadest end" of one
+    knob). Each search here adds its own numbered warning, twice (shown once)."""
+    from bayesify.train import loop
+
+    net, data = pretrained
+    calls = []
+    original = loop.search_with_heads
+
+    def numbered(*args, **kwargs):
+        calls.append(len(calls) + 1)
+        for _ in range(2):
+            warnings.warn(f"search {calls[-1]} of this fit", UserWarning, stacklevel=1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "search_with_heads", numbered)
+    bnn = bayesify(net, "ibnn", init_mean_std=0.0, laplace_heads=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fit(bnn, data, val_loader=data, lr=5.0, epochs=3, progress=False, seed=0)
+    assert result.last["kept"] == "start" and calls == [1, 2]
+    said = [str(w.message) for w in caught if str(w.message).startswith("search ")]
+    assert said == ["search 2 of this fit"]
+
+    calls.clear()  # a fit that keeps its last state: its one search speaks
+    bnn = bayesify(net, "ibnn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fit(bnn, data, val_loader=data, lr=0.01, epochs=2, progress=False, seed=0)
+    assert result.last.get("kept", "last") == "last" and calls == [1]
+    assert [str(w.message) for w in caught if str(w.message).startswith("search ")] == \
+        ["search 1 of this fit"]

@@ -76,6 +76,9 @@ class TrainContext:
     batch_fn: BatchFn | None = None
     #: whether the driver shows progress bars (the knob search's too)
     show_progress: bool = False
+    #: the warnings of the latest knob search, held back until fit knows whether the state
+    #: they were said about is the one it hands back (``loop._search``)
+    search_warnings: list[Any] = field(default_factory=list)
     #: values steps logged for the current epoch's record
     logged: dict[str, Any] = field(default_factory=dict)
 

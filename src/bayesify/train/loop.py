@@ -29,6 +29,7 @@ import functools
 import json
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -353,7 +354,10 @@ def fit(
                 # the search's knobs and T belong to the state they were searched on: a kept
                 # earlier state (or the start: every knob neutral, T = 1) is searched again
                 adopt_search(record, *search())
+            held, kept = state.search_warnings, record.get("kept", "last")
             best.retry_start(record, search)
+            if record.get("kept", "last") == kept:  # the start's search, if any, not adopted
+                state.search_warnings = held
             if "kept_val_nll" in record:
                 record["worse_than_start"] = bool(clearly_worse(
                     start, {"val_nll": record["kept_val_nll"],
@@ -363,12 +367,35 @@ def fit(
                 # the last checkpoint holds the state that is handed back: resuming the
                 # finished run gives the kept state, not the one keep-best set aside
                 result.last_checkpoint = ckpt.save(state, run)
+        _release_warnings(state)
         return result
 
 
 def _search(state: TrainContext, method: Any) -> dict[str, Any]:
-    """The validation search of the model's current state (:func:`search_with_heads`)."""
-    return search_with_heads(state.bnn, state.tune, state.clean_scores, state)
+    """The validation search of the model's current state (:func:`search_with_heads`).
+
+    Its warnings (a knob at an end of its grid) are held in ``state.search_warnings``, not
+    shown: the never-worse rule may hand back another state, searched again, and a user
+    then read advice about a discarded state beside the kept one's, e.g. "rank1_noise_scale =
+    0, the narrowest end" and "= 2, the broadest end" from one fit (a held-out ConvNeXt).
+    :func:`_release_warnings` shows the adopted search's."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record = search_with_heads(state.bnn, state.tune, state.clean_scores, state)
+    state.search_warnings = list(caught)
+    return record
+
+
+def _release_warnings(state: TrainContext) -> None:
+    """Show the held warnings of the search whose state fit hands back, at the line that
+    called ``fit`` (the caller's warning filters apply now, as they would have then)."""
+    held, state.search_warnings = state.search_warnings, []
+    seen = set()
+    for w in held:  # recorded with "always": once per message and place, as shown by default
+        key = (str(w.message), w.category, w.filename, w.lineno)
+        if key not in seen:
+            seen.add(key)
+            warnings.warn(w.message, stacklevel=3)  # 1 here, 2 fit, 3 fit's caller
 
 
 def _search_and_validate(state: TrainContext, method: Any,

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
 
 _VMAP_OK = "swag_vmap_ok"
+_NO_BATCHING_RULE = "There is a performance drop because we have not yet implemented the batching rule"
 
 
 class SWAGMethod(Method):
@@ -153,7 +154,12 @@ def _evaluate(bnn: BayesianModel, states: list[dict[str, torch.Tensor]], x: Any,
     if bnn.runtime.get(_VMAP_OK, vectorize) and len(states) > 1:
         stacked = {k: torch.stack([s[k] for s in states]) for k in states[0]}
         try:
-            return vmap(lambda s: logits_of(functional_call(model, s, args, kwargs)))(stacked)
+            with warnings.catch_warnings():
+                # torch's note that an op (adaptive pooling, stochastic depth) has no batching
+                # rule and runs as a loop inside vmap: correct, slower, and not the user's to
+                # file ("Please file us an issue")
+                warnings.filterwarnings("ignore", message=_NO_BATCHING_RULE)
+                return vmap(lambda s: logits_of(functional_call(model, s, args, kwargs)))(stacked)
         except Exception as err:  # noqa: BLE001 - arbitrary user models may not vmap
             warnings.warn(f"SWAG: vmap over sampled networks failed ({err}); "
                           "evaluating them one by one", stacklevel=3)
