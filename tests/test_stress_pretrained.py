@@ -31,6 +31,7 @@ import torch
 from stress_nets import (
     TinyTransformer,
     bn_cnn,
+    convnext,
     lite0,
     lite0_available,
     mobilenet_v3,
@@ -452,6 +453,7 @@ NETS = {
     "batch_of_one": lambda s, t: bn_cnn(steps=300, n_train=64, batch_size=1, seed=s, test=t),
     "transformer": lambda s, t: tiny_transformer(seed=s, test=t),
     "mobilenet_v3": lambda s, t: mobilenet_v3(seed=s, test=t),
+    "convnext": lambda s, t: convnext(seed=s, test=t),
     "minilm": _minilm,
 }
 _built: dict = {}
