@@ -10,7 +10,7 @@ row → component map and draws its own noise.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -131,22 +131,30 @@ class SamplingContext:
         device: torch.device,
         *,
         uniform: bool = False,
+        then: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``[rows, *tail]`` fp32 noise (standard normal, or U[0, 1) if ``uniform``).
 
         Per row in training; per member (shared by its rows) when the plan names
         members, seeded per layer so member m sees the same network every call.
+        ``then`` maps the noise before it is spread over the rows: per member it runs on the
+        ``[M, *tail]`` draw, not on the ``[rows, *tail]`` gather (MC dropout's masks on a
+        ViT's activations: one pass over the rows instead of four).
         """
         plan = self.plan
         if plan.member is None:
             shape = (rows, *tail)
             if uniform:
-                return torch.rand(shape, device=device, generator=plan.generator)
-            return torch.randn(shape, device=device, generator=plan.generator)
+                noise = torch.rand(shape, device=device, generator=plan.generator)
+            else:
+                noise = torch.randn(shape, device=device, generator=plan.generator)
+            return noise if then is None else then(noise)
         shape = (plan.num_members, *tail)
         generator = plan.generator
         if plan.seed is not None:
             generator = torch.Generator(device=device)
             generator.manual_seed((plan.seed * 1_000_003 + layer_id * 7_919) % (2**62))
         noise = (torch.rand if uniform else torch.randn)(shape, device=device, generator=generator)
+        if then is not None:
+            noise = then(noise)
         return noise.index_select(0, expand_plan_rows(plan.member, rows, device))

@@ -9,6 +9,7 @@ wraps the result into the exported predictor.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,7 +40,8 @@ class FrozenNoiseContext(SamplingContext):
         self.recording = True
 
     def draw(self, layer_id: int, rows: int, tail: tuple[int, ...], device: torch.device,
-             *, uniform: bool = False) -> torch.Tensor:
+             *, uniform: bool = False,
+             then: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         plan = self.plan
         if plan.member is None:
             raise BayesifyError("a frozen (exported) predictor draws noise per member only")
@@ -57,6 +59,8 @@ class FrozenNoiseContext(SamplingContext):
                           num_members=plan.num_members, seed=plan.seed):
                 table = super().draw(layer_id, plan.num_members, tail, device, uniform=uniform)
             self.tables[key] = table
+        if then is not None:  # the recorded noise stays raw: every caller maps its own
+            table = then(table)
         return table.index_select(0, expand_plan_rows(plan.member, rows, device))
 
 

@@ -57,14 +57,18 @@ class DropoutLayer(BayesianLayer):
             return x
         plan = self.context.plan
         keep = 1.0 - p
+
+        def mask(u: torch.Tensor) -> torch.Tensor:  # per member before the rows' gather
+            return (u >= p).to(x.dtype) / keep
+
         if self.granularity == "element":
             if plan.member is None and plan.generator is None:
                 return F.dropout(x, p, training=True)  # fused per-row masks
-            u = self.context.draw(self.layer_id, x.shape[0], tuple(x.shape[1:]), x.device, uniform=True)
-            return x * ((u >= p).to(x.dtype) / keep)
-        u = self.context.draw(self.layer_id, x.shape[0], (self.channels,), x.device, uniform=True)
-        mask = (u >= p).to(x.dtype) / keep
-        return x * broadcast_rows(mask, x, self.axis)
+            return x * self.context.draw(self.layer_id, x.shape[0], tuple(x.shape[1:]),
+                                         x.device, uniform=True, then=mask)
+        masks = self.context.draw(self.layer_id, x.shape[0], (self.channels,), x.device,
+                                  uniform=True, then=mask)
+        return x * broadcast_rows(masks, x, self.axis)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.drop(x)
