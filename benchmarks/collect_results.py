@@ -60,6 +60,14 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session13.md", "Architectures outside the stress matrix (ResNet-18, a timm ViT, "
+             "ConvNeXt); never worse within the search's accuracy tolerance; two search rules "
+             "measured and dropped",
+             "OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py NET 0 cells.jsonl; "
+             "BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 pytest -m slow "
+             "tests/test_stress_pretrained.py -k 'every_family and True'; "
+             "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol P --seeds 0 1 2 "
+             "--save-seeds --methods ... (each variant); the text is written by hand"),
         Part("session12.md", "The temperature floor on a split the start separates; a finer "
              "temperature grid and a lower floor measured and dropped; a MobileNetV3 and the "
              "stress matrix without validation",
