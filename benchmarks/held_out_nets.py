@@ -31,29 +31,23 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from stress_nets import _train, convnext, digits_tensors
+from stress_nets import _train, convnext, image_loaders, rgb_digits
 from test_defaults import base_metrics, bnn_metrics
 from test_stress_pretrained import calibrated_nll, finite_posterior, held_out_reference
 
 import bayesify
 
 
-def _digits(seed: int, size: int = 32, n_train: int = 600):
-    x, y, xv, yv, xt, yt = digits_tensors(size=size, n_train=n_train, seed=seed, n_test=400)
-    x, xv, xt = (t.expand(-1, 3, -1, -1).contiguous() for t in (x, xv, xt))
-    return x, y, xv, yv, xt, yt
+def _digits(seed: int):
+    return rgb_digits(seed=seed, test=True)
 
 
-def _loaders(model, x, y, xv, yv, xt, yt, seed, *, batchnorm: bool):
+def _loaders(model, *data, seed: int, batchnorm: bool):
     from torch.optim.swa_utils import update_bn
 
     if batchnorm:  # statistics of the whole training set, as a converged network has them
-        update_bn(DataLoader(TensorDataset(x), batch_size=50), model)
-    model.eval()
-    train = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True,
-                       generator=torch.Generator().manual_seed(seed))
-    return (model, train, DataLoader(TensorDataset(xv, yv), batch_size=100),
-            DataLoader(TensorDataset(xt, yt), batch_size=100))
+        update_bn(DataLoader(TensorDataset(data[0]), batch_size=50), model)
+    return image_loaders(model, *data, seed=seed)
 
 
 def resnet18(seed: int):
@@ -63,7 +57,7 @@ def resnet18(seed: int):
     d = _digits(seed)
     model = torchvision.models.resnet18(num_classes=10)
     _train(model, d[0], d[1], steps=400, lr=1e-3, weight_decay=0.01, seed=seed)
-    return _loaders(model, *d, seed, batchnorm=True)
+    return _loaders(model, *d, seed=seed, batchnorm=True)
 
 
 def vit(seed: int):
@@ -74,7 +68,7 @@ def vit(seed: int):
     model = VisionTransformer(img_size=32, patch_size=4, embed_dim=96, depth=4, num_heads=3,
                               num_classes=10, drop_rate=0.1, drop_path_rate=0.1)
     _train(model, d[0], d[1], steps=800, lr=1e-3, weight_decay=0.05, seed=seed)
-    return _loaders(model, *d, seed, batchnorm=False)
+    return _loaders(model, *d, seed=seed, batchnorm=False)
 
 
 def effb0(seed: int):
@@ -84,7 +78,7 @@ def effb0(seed: int):
     d = _digits(seed)
     model = torchvision.models.efficientnet_b0(num_classes=10, stochastic_depth_prob=0.2)
     _train(model, d[0], d[1], steps=600, lr=2e-3, weight_decay=0.05, seed=seed)
-    return _loaders(model, *d, seed, batchnorm=True)
+    return _loaders(model, *d, seed=seed, batchnorm=True)
 
 
 NETS = {"resnet18": resnet18, "vit": vit, "effb0": effb0,

@@ -145,19 +145,32 @@ def mobilenet_v3(*, seed: int = 0, steps: int = 600, size: int = 32, n_train: in
     from torch.optim.swa_utils import update_bn
 
     torch.manual_seed(seed)
+    data = rgb_digits(seed=seed, size=size, n_train=n_train, test=test)
+    model = torchvision.models.mobilenet_v3_small(num_classes=10)
+    _train(model, data[0], data[1], steps=steps, lr=2e-3, weight_decay=0.05, seed=seed)
+    # the statistics of the whole training set (a cumulative average; momentum restored)
+    update_bn(DataLoader(TensorDataset(data[0]), batch_size=50), model)
+    return image_loaders(model, *data, seed=seed, batch_size=batch_size)
+
+
+def rgb_digits(*, seed: int, size: int = 32, n_train: int = 600, test: bool = False):
+    """:func:`digits_tensors` in 3 channels: ``x, y, xv, yv`` (``test``: and ``xt, yt``, 400
+    images)."""
     x, y, xv, yv, *held = digits_tensors(size=size, n_train=n_train, seed=seed,
                                          n_test=400 if test else 0)
     x, xv, *held_x = (t.expand(-1, 3, -1, -1).contiguous() for t in (x, xv, *held[:1]))
-    model = torchvision.models.mobilenet_v3_small(num_classes=10)
-    _train(model, x, y, steps=steps, lr=2e-3, weight_decay=0.05, seed=seed)
-    # the statistics of the whole training set (a cumulative average; momentum restored)
-    update_bn(DataLoader(TensorDataset(x), batch_size=50), model)
+    return (x, y, xv, yv, *held_x, *held[1:])
+
+
+def image_loaders(model: nn.Module, x, y, xv, yv, *held, seed: int, batch_size: int = 32):
+    """``(model, train, val)`` with the model in eval mode, the training loader shuffled from
+    ``seed``; a held-out ``test`` loader after them when ``held = (xt, yt)``."""
     model.eval()
     train = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
                        generator=torch.Generator().manual_seed(seed))
     val = DataLoader(TensorDataset(xv, yv), batch_size=100)
-    if test:
-        return model, train, val, DataLoader(TensorDataset(held_x[0], held[1]), batch_size=100)
+    if held:
+        return model, train, val, DataLoader(TensorDataset(*held), batch_size=100)
     return model, train, val
 
 
@@ -170,18 +183,11 @@ def convnext(*, seed: int = 0, steps: int = 600, size: int = 32, n_train: int = 
     from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 
     torch.manual_seed(seed)
-    x, y, xv, yv, *held = digits_tensors(size=size, n_train=n_train, seed=seed,
-                                         n_test=400 if test else 0)
-    x, xv, *held_x = (t.expand(-1, 3, -1, -1).contiguous() for t in (x, xv, *held[:1]))
+    data = rgb_digits(seed=seed, size=size, n_train=n_train, test=test)
     model = ConvNeXt([CNBlockConfig(32, 64, 2), CNBlockConfig(64, None, 2)],
                      stochastic_depth_prob=0.1, num_classes=10)
-    _train(model, x, y, steps=steps, lr=2e-3, weight_decay=0.05, seed=seed)
-    train = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
-                       generator=torch.Generator().manual_seed(seed))
-    val = DataLoader(TensorDataset(xv, yv), batch_size=100)
-    if test:
-        return model, train, val, DataLoader(TensorDataset(held_x[0], held[1]), batch_size=100)
-    return model, train, val
+    _train(model, data[0], data[1], steps=steps, lr=2e-3, weight_decay=0.05, seed=seed)
+    return image_loaders(model, *data, seed=seed, batch_size=batch_size)
 
 
 def token_tensors(n: int, *, seed: int, num_classes: int = 4, length: int = 12, vocab: int = 32):
