@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -38,47 +37,35 @@ from test_stress_pretrained import calibrated_nll, finite_posterior, held_out_re
 import bayesify
 
 
-def _digits(seed: int):
-    return rgb_digits(seed=seed, test=True)
-
-
-def _loaders(model, *data, seed: int, batchnorm: bool):
-    from torch.optim.swa_utils import update_bn
-
-    if batchnorm:  # statistics of the whole training set, as a converged network has them
-        update_bn(DataLoader(TensorDataset(data[0]), batch_size=50), model)
-    return image_loaders(model, *data, seed=seed)
-
-
 def resnet18(seed: int):
     import torchvision
 
     torch.manual_seed(seed)
-    d = _digits(seed)
+    d = rgb_digits(seed=seed, test=True)
     model = torchvision.models.resnet18(num_classes=10)
     _train(model, d[0], d[1], steps=400, lr=1e-3, weight_decay=0.01, seed=seed)
-    return _loaders(model, *d, seed=seed, batchnorm=True)
+    return image_loaders(model, *d, seed=seed, batchnorm=True)
 
 
 def vit(seed: int):
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(seed)
-    d = _digits(seed)
+    d = rgb_digits(seed=seed, test=True)
     model = VisionTransformer(img_size=32, patch_size=4, embed_dim=96, depth=4, num_heads=3,
                               num_classes=10, drop_rate=0.1, drop_path_rate=0.1)
     _train(model, d[0], d[1], steps=800, lr=1e-3, weight_decay=0.05, seed=seed)
-    return _loaders(model, *d, seed=seed, batchnorm=False)
+    return image_loaders(model, *d, seed=seed)
 
 
 def effb0(seed: int):
     import torchvision
 
     torch.manual_seed(seed)
-    d = _digits(seed)
+    d = rgb_digits(seed=seed, test=True)
     model = torchvision.models.efficientnet_b0(num_classes=10, stochastic_depth_prob=0.2)
     _train(model, d[0], d[1], steps=600, lr=2e-3, weight_decay=0.05, seed=seed)
-    return _loaders(model, *d, seed=seed, batchnorm=True)
+    return image_loaders(model, *d, seed=seed, batchnorm=True)
 
 
 NETS = {"resnet18": resnet18, "vit": vit, "effb0": effb0,

@@ -110,12 +110,7 @@ def bn_cnn(*, num_classes: int = 10, depthwise: bool = False, logit_scale: float
         with torch.no_grad():
             model[-1].weight.mul_(logit_scale)
             model[-1].bias.mul_(logit_scale)
-    gen = torch.Generator().manual_seed(seed)
-    train = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, generator=gen)
-    val = DataLoader(TensorDataset(xv, yv), batch_size=100)
-    if test:
-        return model, train, val, DataLoader(TensorDataset(*held), batch_size=100)
-    return model, train, val
+    return image_loaders(model, x, y, xv, yv, *held, seed=seed, batch_size=batch_size)
 
 
 class TinyTransformer(nn.Module):
@@ -142,15 +137,12 @@ def mobilenet_v3(*, seed: int = 0, steps: int = 600, size: int = 32, n_train: in
     at seed 0, as the float order of the machine's threads gives it
     (benchmarks/results/session12.md)."""
     import torchvision
-    from torch.optim.swa_utils import update_bn
 
     torch.manual_seed(seed)
     data = rgb_digits(seed=seed, size=size, n_train=n_train, test=test)
     model = torchvision.models.mobilenet_v3_small(num_classes=10)
     _train(model, data[0], data[1], steps=steps, lr=2e-3, weight_decay=0.05, seed=seed)
-    # the statistics of the whole training set (a cumulative average; momentum restored)
-    update_bn(DataLoader(TensorDataset(data[0]), batch_size=50), model)
-    return image_loaders(model, *data, seed=seed, batch_size=batch_size)
+    return image_loaders(model, *data, seed=seed, batch_size=batch_size, batchnorm=True)
 
 
 def rgb_digits(*, seed: int, size: int = 32, n_train: int = 600, test: bool = False):
@@ -162,9 +154,16 @@ def rgb_digits(*, seed: int, size: int = 32, n_train: int = 600, test: bool = Fa
     return (x, y, xv, yv, *held_x, *held[1:])
 
 
-def image_loaders(model: nn.Module, x, y, xv, yv, *held, seed: int, batch_size: int = 32):
+def image_loaders(model: nn.Module, x, y, xv, yv, *held, seed: int, batch_size: int = 32,
+                  batchnorm: bool = False):
     """``(model, train, val)`` with the model in eval mode, the training loader shuffled from
-    ``seed``; a held-out ``test`` loader after them when ``held = (xt, yt)``."""
+    ``seed``; a held-out ``test`` loader after them when ``held = (xt, yt)``. ``batchnorm``:
+    first the BatchNorm statistics of the whole training set (as a converged pretrained
+    network has them)."""
+    if batchnorm:  # a cumulative average over the set; torch restores the momentum
+        from torch.optim.swa_utils import update_bn
+
+        update_bn(DataLoader(TensorDataset(x), batch_size=50), model)
     model.eval()
     train = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True,
                        generator=torch.Generator().manual_seed(seed))
