@@ -67,6 +67,25 @@ def test_classifier_detection_torchvision_and_timm():
     assert find_classifier(timm.create_model("convnext_atto")) == "head.fc"
 
 
+@pytest.mark.parametrize("method", ["epinet", "hypernet", "mnf", "meanfield", "ensemble"])
+def test_the_classifier_of_a_wrapped_model_is_the_users(method):
+    """In a bayesified model the classifier is the wrapper's ``base_layer``, never a Linear
+    the wrapper adds after it (a hypernet's generator, MNF's flow, the epinet's learner: the
+    last Linear in module order before), on a plain MLP and a timm model alike; the saved
+    manifest's class count is the user's head's."""
+    import timm
+
+    from bayesify.persistence import head_classes
+
+    for net, head in [(small_net(), None),
+                      (timm.create_model("resnet18", num_classes=7), "fc.base_layer")]:
+        bnn = bayesify(copy.deepcopy(net), method)
+        name = find_classifier(bnn.model)
+        want = head or f"{find_classifier(net)}.base_layer"
+        assert name == want, (method, name)
+        assert head_classes(bnn.model) == head_classes(net)
+
+
 def test_errors_are_clear_and_model_unchanged():
     net = small_net()
     before = copy.deepcopy(net)

@@ -265,7 +265,8 @@ def _walk_scores(monkeypatch, clean_at, shift_at, values, walk=True):
                             dtype=torch.float64).unsqueeze(1)
         return torch.cat([nll, torch.zeros(1, n, dtype=torch.float64)])
 
-    def fake_candidate(bnn, batches, ctx, shift, shift_batches, *, clean=True):
+    def fake_candidate(bnn, batches, ctx, shift, shift_batches, *, clean=True,
+                       samples_per_component=None):
         i = values.index(current[0])
         return (rows(clean_at[i]) if clean else None), rows(shift_at[i])
 
@@ -321,3 +322,66 @@ def test_a_knob_that_does_not_walk_scores_every_value(monkeypatch):
     assert walked == 0 and 3 not in scored
     every, scored = _walk_scores(monkeypatch, clean_at, shift_at, values, walk=False)
     assert every == 3 and scored == list(range(8))
+
+
+SPREAD_KNOB_FAMILIES = ["abnn", "dropout", "epinet", "hypernet", "ibnn", "meanfield", "mnf",
+                        "rank1"]
+
+
+@pytest.mark.parametrize("family", SPREAD_KNOB_FAMILIES)
+def test_a_spread_knob_at_zero_predicts_the_same_with_one_sample(digits, digits_map, family):
+    """The search scores a spread knob's 0 with one sample per component
+    (``Knob.one_sample_at``): at 0 every sample of a component must be the same network, so
+    the predictive equals the default S samples' to rounding — and at 1 it does not (the
+    comparison sees the spread)."""
+    import copy
+
+    import bayesify
+
+    torch.manual_seed(0)
+    bnn = bayesify.bayesify(copy.deepcopy(digits_map), family)
+    knob, = bnn.method.knobs(bnn)
+    assert knob.one_sample_at == 0.0 and 0.0 in knob.grid
+    x = digits.val.tensors[0][:64]
+    bnn.eval()
+
+    def log_probs(samples: int | None) -> torch.Tensor:
+        return bnn.predictor(samples, temperature=1.0).predict(x).raw_log_probs
+
+    default = bnn.posterior_config.default_samples()
+    assert default > 1
+    knob.set(1.0)
+    assert (log_probs(None) - log_probs(1)).abs().max() > 1e-4, "no spread at 1: tests nothing"
+    knob.set(0.0)
+    torch.testing.assert_close(log_probs(1), log_probs(None), rtol=0, atol=2e-6)
+
+
+def test_the_walk_scores_a_spread_knob_at_zero_with_one_sample(monkeypatch):
+    """Every pass of the value 0 — clean and shifted — asks for one sample per component;
+    every other value for the predictor's default."""
+    from bayesify.core.fitting import Knob
+    from bayesify.train import tuning
+
+    values = [0.0, 0.5, 1.0]
+    current, asked = [1.0], []
+    n, temps = 20, tuning.TEMPERATURES
+
+    def fake_candidate(bnn, batches, ctx, shift, shift_batches, *, clean=True,
+                       samples_per_component=None):
+        asked.append((current[0], clean, samples_per_component))
+        rows = torch.full((len(temps) + 1, n), 0.1, dtype=torch.float64)
+        rows[-1] = 0.0
+        return (rows if clean else None), rows.clone()
+
+    monkeypatch.setattr(tuning, "candidate_nll", fake_candidate)
+    knob = Knob(name="k", grid=tuple(values), meaning="m", one_sample_at=0.0,
+                set=lambda v: current.__setitem__(0, v))
+    bar = type("Bar", (), {"update": lambda self, k: None})()
+    walk = tuning._KnobWalk(None, knob, list(values), None, None, None, lambda: iter(()),
+                            reference=torch.full((n,), 0.1, dtype=torch.float64),
+                            error_cap=1.0, columns=list(range(len(temps))),
+                            below=[False] * len(temps), bar=bar)
+    walk.run()
+    assert {(v, c) for v, c, _ in asked} == {(v, c) for v in values for c in (True, False)}
+    for value, _, samples in asked:
+        assert samples == (1 if value == 0.0 else None), (value, samples)

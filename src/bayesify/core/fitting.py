@@ -65,7 +65,10 @@ class Knob:
     multiplier of a learned std or of member logits) and whose search costs enough to be
     worth it; ``False``: every value is scored (a dropout rate, along which the clean NLL is
     jagged: a mask flips as the rate crosses its draw; the epinet, whose whole fit costs
-    1–2 % of a deep ensemble's training).
+    1–2 % of a deep ensemble's training); ``one_sample_at``: a value at which every sample
+    of a posterior component is the same network (a spread multiplier at 0: the component
+    means), so the search predicts it with one sample per component instead of the
+    predictor's S — the same predictive to rounding, at 1/S of the cost (``None``: none).
     """
 
     name: str
@@ -79,6 +82,7 @@ class Knob:
     sharpens: bool = False
     grid_log_probs: Callable[[Any], list[torch.Tensor]] | None = None
     walk: bool = True
+    one_sample_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,10 @@ def _matches_any(name: str, patterns: Iterable[str]) -> bool:
 
 
 def find_classifier(model: nn.Module) -> str | None:
-    """Qualified name of the classifier: timm ``get_classifier()`` or the last Linear."""
+    """Qualified name of the classifier: timm ``get_classifier()`` or the last Linear. In a
+    wrapped model, the classifier the user's network has: a wrapper's ``base_layer``, never a
+    module the wrapper adds (a hypernet's weight generator, MNF's auxiliary flow: their
+    Linears come after the base layer in module order)."""
     get_classifier = getattr(model, "get_classifier", None)
     if callable(get_classifier):
         try:
@@ -96,11 +99,27 @@ def find_classifier(model: nn.Module) -> str | None:
                 if module is head:
                     if isinstance(head, (nn.Linear, nn.modules.conv._ConvNd)):
                         return name
-                    last = [n for n, m in head.named_modules() if isinstance(m, nn.Linear)]
+                    last = [n for n, m in _user_modules(head) if isinstance(m, nn.Linear)]
                     if last:
                         return f"{name}.{last[-1]}" if name else last[-1]
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = [n for n, m in _user_modules(model) if isinstance(m, nn.Linear)]
     return linears[-1] if linears else None
+
+
+def _user_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    """``named_modules`` as the user's network has them: of a wrapper (:class:`BayesianLayer`)
+    only its ``base_layer`` (named ``<wrapper>.base_layer``), not the modules it adds."""
+    inside: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix) for prefix in inside):
+            continue
+        if isinstance(module, BayesianLayer):
+            inside.append(f"{name}." if name else "")
+            base = getattr(module, "base_layer", None)
+            if isinstance(base, nn.Module):
+                yield (f"{name}.base_layer" if name else "base_layer"), base
+            continue
+        yield name, module
 
 
 def plan_targets(model: nn.Module, method: Method) -> TargetPlan:

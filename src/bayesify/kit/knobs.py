@@ -76,11 +76,11 @@ def knob_float(layer: nn.Module) -> float:
 
 def state_knob(bnn: BayesianModel, name: str, *, grid: Iterable[float], meaning: str,
                prefer: str = "largest", initial: float | None = 1.0,
-               walk: bool = True) -> Knob:
+               walk: bool = True, one_sample_at: float | None = None) -> Knob:
     """The :class:`Knob` of the ``bnn.state`` entry ``name`` (1 = the trained posterior)."""
     return Knob(name=name, grid=tuple(float(v) for v in grid), meaning=meaning,
                 set=lambda value: bnn.state.set(name, value), prefer=prefer, initial=initial,
-                walk=walk)
+                walk=walk, one_sample_at=one_sample_at)
 
 
 class ScaledLogits(nn.Module):
@@ -131,7 +131,10 @@ class SpreadKnob:
     posterior spread: registered in ``prepare`` for every injected layer, declared by
     ``knobs``. Set ``knob`` (the state name), ``knob_meaning`` and, to narrow it,
     ``knob_grid``; ``knob_walk`` False to score every value of the grid
-    (:attr:`~bayesify.core.fitting.Knob.walk`)."""
+    (:attr:`~bayesify.core.fitting.Knob.walk`). The knob multiplies every random term of
+    the posterior, so at 0 every sample of a component is its mean network: the search
+    scores 0 with one sample per component (:attr:`~bayesify.core.fitting.Knob.one_sample_at`;
+    tested per family in ``tests/test_shift.py``)."""
 
     knob: str = ""
     knob_meaning: str = ""
@@ -143,4 +146,4 @@ class SpreadKnob:
 
     def knobs(self, bnn: BayesianModel) -> list[Knob]:
         return [state_knob(bnn, self.knob, grid=self.knob_grid, meaning=self.knob_meaning,
-                           walk=self.knob_walk)]
+                           walk=self.knob_walk, one_sample_at=0.0)]

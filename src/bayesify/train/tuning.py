@@ -233,12 +233,14 @@ def interleaved(copies: list[Batch]) -> Batch:
 @torch.no_grad()
 def candidate_nll(bnn: BayesianModel, batches: Batches, ctx: DistContext,
                   shift: ShiftSignal | None, shift_batches: Batches | None, *,
-                  clean: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                  clean: bool = True, samples_per_component: int | None = None,
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Per-example NLL ``[T, n]`` on the clean split (``clean=False``: None, not computed)
-    and ``[T, m]`` on its shifted copies (or the shift loader), of ``bnn``'s default
-    predictor at temperature 1 scaled by every T, each with the per-example error as a last
-    row (``[T + 1, ·]``, :func:`_split`)."""
-    predictor = bnn.predictor(temperature=1.0)
+    and ``[T, m]`` on its shifted copies (or the shift loader), of ``bnn``'s predictor
+    (its default samples per component, or ``samples_per_component``) at temperature 1
+    scaled by every T, each with the per-example error as a last row (``[T + 1, ·]``,
+    :func:`_split`)."""
+    predictor = bnn.predictor(samples_per_component, temperature=1.0)
     (scores, shifted), = grid_nll(
         lambda x: [predictor.predict(x).raw_log_probs], batches, ctx, shift, shift_batches,
         clean=clean)
@@ -476,13 +478,25 @@ class _KnobWalk:
             # 'min'): scored now, for the record
             if knob is not None:
                 knob.set(values[v])
-            self.shifted[v] = self.shifted_nll()
+            self.shifted[v] = self.shifted_nll(v)
         return v, t
 
-    def shifted_nll(self) -> torch.Tensor:
-        """``[T, m]`` of the knob's current value on the shifted split alone."""
+    def shifted_nll(self, i: int) -> torch.Tensor:
+        """``[T, m]`` of value ``i`` (the knob's current value) on the shifted split alone."""
         return _split(candidate_nll(self.bnn, self.batches, self.ctx, self.shift,
-                                    self.shift_batches, clean=False)[1])[0]
+                                    self.shift_batches, clean=False,
+                                    samples_per_component=self.samples(i))[1])[0]
+
+    def samples(self, i: int) -> int | None:
+        """Samples per component to predict value ``i`` with: 1 where every sample of a
+        component is the same network (``Knob.one_sample_at``: a spread multiplier at 0 —
+        MNF on the CNN protocol scores it for 1/8 of the passes), else the predictor's
+        default (None)."""
+        knob = self.knob
+        if knob is not None and knob.one_sample_at is not None \
+                and self.values[i] == knob.one_sample_at:
+            return 1
+        return None
 
     def score(self, i: int) -> None:
         """Value ``i``'s clean scores; its shifted ones only if some temperature makes it
@@ -492,11 +506,12 @@ class _KnobWalk:
         knob, columns = self.knob, self.columns
         if knob is not None:
             knob.set(self.values[i])
-        c, e = _split(candidate_nll(self.bnn, self.batches, self.ctx, None, None)[0])
+        c, e = _split(candidate_nll(self.bnn, self.batches, self.ctx, None, None,
+                                    samples_per_component=self.samples(i))[0])
         self.clean[i], self.errors[i], self.shifted[i] = c, e, None
         self.feasible[i] = self.could_be_chosen(c[columns], e)
         if self.wants_shift and (knob is None or knob.rule != "min") and self.feasible[i]:
-            self.shifted[i] = self.shifted_nll()
+            self.shifted[i] = self.shifted_nll(i)
         self.bar.update(1)
 
     def could_be_chosen(self, clean: torch.Tensor, errors: torch.Tensor) -> bool:

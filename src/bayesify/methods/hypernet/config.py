@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bayesify.core.config import option, require
+from bayesify.core.config import laplace_heads_on, option, require
 from bayesify.kit.priors import WeightPriorConfig
 
 PARAMETERIZATIONS = ("auto", "full", "slices", "rank1")
@@ -15,6 +15,7 @@ NOISE_MODES = ("independent", "shared")
 class HypernetConfig(WeightPriorConfig):
     """Bayes by Hypernet: a weight generator per layer, nearest-neighbour KL (Pawlowski et al.)."""
 
+    laplace_heads: bool = laplace_heads_on()  # on by default (bayesify.kit.laplace_heads)
     samples: int = option(
         4, "S: weight samples per step (every example repeated S times, every sample's "
         "likelihood counts; S rows per example in memory). The generators run once per sample "

@@ -31,9 +31,6 @@ class HypernetMethod(SpreadKnob, Method):
     networks, seeded per member.
     """
 
-    laplace_heads_unsupported: ClassVar[str] = (
-        "its classifier's weights are generated per member inside the layer")
-
     name = "hypernet"
     config_cls = HypernetConfig
     knob = KNOB

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bayesify.core.config import MethodConfig, option, require
+from bayesify.core.config import MethodConfig, laplace_heads_on, option, require
 
 INVERSE_MODELS = ("node", "paper")
 
@@ -13,6 +13,7 @@ INVERSE_MODELS = ("node", "paper")
 class MNFConfig(MethodConfig):
     """Multiplicative normalizing flows: a flow over node noise z, Gaussian q(W|z) (Louizos & Welling)."""
 
+    laplace_heads: bool = laplace_heads_on()  # on by default (bayesify.kit.laplace_heads)
     flow_depth: int = option(
         2, "T: masked affine coupling layers of the flow of q(z) (the authors' 2). 0: q(z) is "
         "a diagonal Gaussian — with weight_std=0 exactly iBNN with components=1.")

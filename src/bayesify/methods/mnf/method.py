@@ -29,9 +29,6 @@ class MNFMethod(SpreadKnob, NoiseFamily):
     pre-activation noise, averaged in probability space; export freezes those draws.
     """
 
-    laplace_heads_unsupported: ClassVar[str] = (
-        "its classifier's weights are drawn per member inside the layer from the flow")
-
     name = "mnf"
     config_cls = MNFConfig
     knob = KNOB
