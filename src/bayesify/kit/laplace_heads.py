@@ -104,7 +104,15 @@ def classifier_module(bnn: BayesianModel) -> nn.Module:
 def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, max_rows: int,
                     seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``ã [M, B, D']`` (the classifier's input of every member, with a 1 for the bias)
-    and the member logits ``f [M, B, C]`` (``method.member_logits``, one forward)."""
+    and the member logits ``f [M, B, C]`` (``method.member_logits``, one forward): read by a
+    hook on the classifier, or the family's own ``heads_features`` where its members add a
+    term after the classifier (the epinet: ``f_m = Wφ + b + δ_m(φ)``, one φ for every
+    member; δ_m does not depend on the head's weights, so the GLM is the same)."""
+    own = getattr(bnn.method, "heads_features", None)
+    if own is not None:  # one φ for every member: a stride-0 view (HeadsPosterior.variances)
+        phi, logits = own(bnn, x, samples_per_component=samples_per_component, seed=seed)
+        feats = torch.cat([phi, torch.ones_like(phi[:, :1])], dim=-1)
+        return feats.unsqueeze(0).expand(logits.shape[0], *feats.shape), logits
     module = classifier_module(bnn)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -309,7 +317,7 @@ def grid_log_probs(bnn: BayesianModel, x: Any, taus: tuple[float, ...]) -> list[
     posterior = _posterior(bnn)
     mean, scale = _member_scale(bnn, logits.double())
     return [Prediction(_probits(mean, var * scale).float()).raw_log_probs
-            for var in posterior.variances(feats.to(posterior.eig.dtype), taus)]
+            for var in posterior.variances(feats, taus)]
 
 
 def _member_scale(bnn: BayesianModel, mean: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -361,10 +369,14 @@ class HeadsPosterior:
 
     def variances(self, feats: torch.Tensor, taus: Any) -> list[torch.Tensor]:
         """``diag Σ_f [M, B, C]`` of members ``ã [M, B, D']`` (component-major, M = K·S) at
-        every τ of ``taus``, the τ-free projection computed once (in row chunks)."""
+        every τ of ``taus``, the τ-free projection computed once (in row chunks), in the
+        posterior's precision. Members that read one ``ã`` (a stride-0 view over M: the
+        epinet's) are projected once."""
         m, b, d = feats.shape
         k = self.components
-        f = feats.reshape(k, -1, d)  # [K, S·B, D']
+        if m > 1 and k == 1 and feats.stride(0) == 0:
+            return [v.expand(m, b, -1) for v in self.variances(feats[:1], taus)]
+        f = feats.to(self.eig.dtype).reshape(k, -1, d)  # [K, S·B, D']
         if not self.full:
             projected = (f @ self.q_a).square()
             q_g_sq = self.q_g.square().transpose(1, 2)
@@ -413,7 +425,7 @@ def heads_predictive(bnn: BayesianModel, x: Any, *, samples_per_component: int, 
         raise BayesifyError(
             f"laplace_heads were fitted for {posterior.components} posterior components; this "
             f"prediction has {feats.shape[0]} members, not a whole number per component")
-    var = functional_variance(posterior, feats.to(posterior.eig.dtype), bnn.state.get_buffer(_TAU))
+    var = functional_variance(posterior, feats, bnn.state.get_buffer(_TAU))
     mean, scale = _member_scale(bnn, logits.double())
     return Prediction(_probits(mean, var * scale).float())
 

@@ -92,6 +92,27 @@ def export_heads(bnn: BayesianModel, *, samples_per_component: int, seed: int,
     finally:
         if isinstance(method, MemberTemperature):
             bnn.state.set(method.knob_name, temperature)
+    with_features = getattr(family, "with_features", None)
+    if callable(with_features):  # the family's module hands [f_m, φ] out itself (epinet)
+        family = with_features()
+    else:
+        _read_features(bnn, family)
+    posterior = heads._posterior(bnn)
+    tau = bnn.state.get_buffer(heads._TAU).to(posterior.eig)
+    linear = heads.classifier_module(bnn)
+    linear = getattr(linear, BASE_LAYER, linear)
+    if not hasattr(linear, "in_features"):
+        raise BayesifyError(f"laplace_heads: the classifier {type(linear).__name__} is not a "
+                            f"Linear; {heads.NOT_EXPORTED}")
+    tensors = posterior.export_tensors(tau, linear.in_features + 1)
+    return HeadsMembers(family, num_classes=linear.out_features, tensors=tensors,
+                        member_temperature=temperature).eval()
+
+
+def _read_features(bnn: BayesianModel, family: nn.Module) -> None:
+    """Replace every copy of the classifier in the family's export module by
+    :class:`LogitsAndFeatures`, so the module's output is ``[M, B, C + D]``."""
+    method = bnn.method
     name = base_name(find_classifier(bnn.model) or "")
     matches = [n for n, _ in family.named_modules()
                if name and (n == name or n.endswith("." + name))]
@@ -106,13 +127,3 @@ def export_heads(bnn: BayesianModel, *, samples_per_component: int, seed: int,
         parent_name, _, attr = qualified.rpartition(".")
         parent = family.get_submodule(parent_name) if parent_name else family
         setattr(parent, attr, LogitsAndFeatures(getattr(parent, attr)))
-    posterior = heads._posterior(bnn)
-    tau = bnn.state.get_buffer(heads._TAU).to(posterior.eig)
-    linear = heads.classifier_module(bnn)
-    linear = getattr(linear, BASE_LAYER, linear)
-    if not hasattr(linear, "in_features"):
-        raise BayesifyError(f"laplace_heads: the classifier {type(linear).__name__} is not a "
-                            f"Linear; {heads.NOT_EXPORTED}")
-    tensors = posterior.export_tensors(tau, linear.in_features + 1)
-    return HeadsMembers(family, num_classes=linear.out_features, tensors=tensors,
-                        member_temperature=temperature).eval()

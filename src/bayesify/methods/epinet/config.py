@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bayesify.core.config import MethodConfig, option, require
+from bayesify.core.config import MethodConfig, laplace_heads_on, option, require
 
 
 @dataclass(frozen=True)
 class EpinetConfig(MethodConfig):
     """``f(x, z) = base(x) + σ_L(φ(x), z) + α·σ_P(φ(x), z)`` on the classifier's input φ."""
 
+    laplace_heads: bool = laplace_heads_on()  # on by default (bayesify.kit.laplace_heads)
     targets: Any = option(
         "last_layer", "The classifier whose input φ(x) (the penultimate features) feeds the "
         "epinet: 'last_layer' (timm get_classifier(), else the last Linear: torchvision fc, "

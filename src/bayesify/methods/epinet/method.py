@@ -95,6 +95,10 @@ class EpinetMembers(nn.Module):
         self.register_buffer("index", index.clone())
         self.register_buffer("scale", torch.tensor(float(scale)))
 
+    #: also hand out φ: ``[M, B, C + D]`` = the members' logits and the classifier's input
+    #: (for member-wise Laplace heads, :mod:`bayesify.kit.laplace_heads_export`)
+    features = False
+
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         layer = epinet_layer(self.model)
         got = capture(self.model, layer, Batch(args, kwargs))
@@ -102,7 +106,16 @@ class EpinetMembers(nn.Module):
             raise BayesifyError("the epinet export needs the model's logits to be its classifier's output")
         base, phi = got
         delta = member_delta(layer, phi, self.index)
-        return base.unsqueeze(0) + (self.scale * delta).to(base.dtype)
+        members = base.unsqueeze(0) + (self.scale * delta).to(base.dtype)
+        if not self.features:
+            return members
+        shared = phi.to(members.dtype).unsqueeze(0).expand(members.shape[0], *phi.shape)
+        return torch.cat([members, shared], dim=-1)
+
+    def with_features(self) -> EpinetMembers:
+        """This module, handing out ``[f_m, φ]`` (see :attr:`features`)."""
+        self.features = True
+        return self
 
 
 class EpinetMethod(SpreadKnob, Method):
@@ -112,9 +125,6 @@ class EpinetMethod(SpreadKnob, Method):
     the mean NLL of ``f(x, z)``; only σ_L trains. Prediction: one base forward and M
     epinet evaluations. Knob: ``epinet_scale`` (0 = the base network).
     """
-
-    laplace_heads_unsupported: ClassVar[str] = (
-        "its members share one classifier forward and differ by the epinet added to its logits")
 
     name = "epinet"
     config_cls = EpinetConfig
@@ -155,6 +165,26 @@ class EpinetMethod(SpreadKnob, Method):
             return base.unsqueeze(0).expand(num_members, *base.shape).clone()
         z = index_vectors(seed, num_members, layer.index_dim, base.device)
         return base.unsqueeze(0) + (knob_value(layer) * member_delta(layer, phi, z)).to(base.dtype)
+
+    def heads_features(self, bnn: BayesianModel, x: Any, *, samples_per_component: int,
+                       seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(φ [B, D], f [M, B, C])``: the classifier's input, shared by every member, and the
+        members' logits, for member-wise Laplace heads (:func:`bayesify.kit.laplace_heads.
+        member_features`: the heads' GLM is the classifier's; the epinet's term is added to
+        each member's mean)."""
+        layer = epinet_layer(bnn.model)
+        with bnn.context.use(torch.zeros(batch_rows(x), dtype=torch.long, device=batch_device(x))):
+            got = capture(bnn.model, layer, x)
+        if got is None:
+            raise BayesifyError(
+                "laplace_heads needs the epinet's classifier output to be the model's logits (a "
+                "step after the classifier hides the features the heads read); use "
+                "laplace_heads=False")
+        base, phi = got
+        z = index_vectors(seed, self.components * samples_per_component, layer.index_dim,
+                          base.device)
+        logits = base.unsqueeze(0) + (knob_value(layer) * member_delta(layer, phi, z)).to(base.dtype)
+        return phi, logits
 
     def export_module(self, bnn: BayesianModel, *, samples_per_component: int, seed: int,
                       example_input: Any) -> nn.Module:
