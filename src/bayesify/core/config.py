@@ -38,8 +38,7 @@ def option(default: Any, help: str) -> Any:
 LAPLACE_HEADS_HELP = (
     "Member-wise last-layer Laplace heads (bayesify.kit.laplace_heads): with a val_loader, "
     "after the family's own search fit looks at the first 10,000 training examples once and "
-    "puts a last-layer Laplace (its exact GGN up to 1,024 parameters, KFAC above) around every "
-    "posterior component's classifier; the predictive is the "
+    "puts a Laplace around every posterior component's classifier; the predictive is the "
     "mixture of the members' probit GLM predictives, whose spread grows off the data, with "
     "the heads' τ and the temperature (sharpening included) chosen on validation. Without a "
     "val_loader the heads are not fitted (the family's own predictive); after another training "

@@ -18,6 +18,7 @@ from torch import nn
 
 from bayesify.core.layers import BayesianLayer
 from bayesify.core.method import Method, wrapper_for
+from bayesify.core.names import BASE_LAYER, posterior_name
 from bayesify.errors import BayesifyError
 
 #: parents that read a child's weights directly instead of calling it: a wrapper
@@ -115,9 +116,9 @@ def _user_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
             continue
         if isinstance(module, BayesianLayer):
             inside.append(f"{name}." if name else "")
-            base = getattr(module, "base_layer", None)
+            base = getattr(module, BASE_LAYER, None)
             if isinstance(base, nn.Module):
-                yield (f"{name}.base_layer" if name else "base_layer"), base
+                yield posterior_name(name, BASE_LAYER), base
             continue
         yield name, module
 

@@ -152,19 +152,12 @@ class EpinetMethod(SpreadKnob, Method):
                       max_rows: int, seed: int | None = None,
                       deterministic: bool = False) -> torch.Tensor:
         """``[M, B, C]``: ``base(x) + c·σ(φ(x), z_m)``, z_m = :func:`index_vectors` (seed, m)."""
-        layer = epinet_layer(bnn.model)
-        num_members = self.components * samples_per_component
-        with bnn.context.use(torch.zeros(batch_rows(x), dtype=torch.long, device=batch_device(x)),
-                             deterministic=deterministic):
-            got = capture(bnn.model, layer, x)
+        got = self._members(bnn, x, samples_per_component=samples_per_component, seed=seed,
+                            deterministic=deterministic)
         if got is None:
             return super().member_logits(bnn, x, samples_per_component=samples_per_component,
                                          max_rows=max_rows, seed=seed, deterministic=deterministic)
-        base, phi = got
-        if deterministic or bnn.context.deterministic:
-            return base.unsqueeze(0).expand(num_members, *base.shape).clone()
-        z = index_vectors(seed, num_members, layer.index_dim, base.device)
-        return base.unsqueeze(0) + (knob_value(layer) * member_delta(layer, phi, z)).to(base.dtype)
+        return got[1]
 
     def heads_features(self, bnn: BayesianModel, x: Any, *, samples_per_component: int,
                        seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,19 +165,31 @@ class EpinetMethod(SpreadKnob, Method):
         members' logits, for member-wise Laplace heads (:func:`bayesify.kit.laplace_heads.
         member_features`: the heads' GLM is the classifier's; the epinet's term is added to
         each member's mean)."""
-        layer = epinet_layer(bnn.model)
-        with bnn.context.use(torch.zeros(batch_rows(x), dtype=torch.long, device=batch_device(x))):
-            got = capture(bnn.model, layer, x)
+        got = self._members(bnn, x, samples_per_component=samples_per_component, seed=seed)
         if got is None:
             raise BayesifyError(
                 "laplace_heads needs the epinet's classifier output to be the model's logits (a "
                 "step after the classifier hides the features the heads read); use "
                 "laplace_heads=False")
+        return got
+
+    def _members(self, bnn: BayesianModel, x: Any, *, samples_per_component: int,
+                 seed: int | None, deterministic: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(φ [B, D], f [M, B, C])`` from one base forward in capture mode (None when the
+        model's logits are not the classifier's output); deterministic: every member the base."""
+        layer = epinet_layer(bnn.model)
+        num_members = self.components * samples_per_component
+        with bnn.context.use(torch.zeros(batch_rows(x), dtype=torch.long, device=batch_device(x)),
+                             deterministic=deterministic):
+            got = capture(bnn.model, layer, x)
+        if got is None:
+            return None
         base, phi = got
-        z = index_vectors(seed, self.components * samples_per_component, layer.index_dim,
-                          base.device)
-        logits = base.unsqueeze(0) + (knob_value(layer) * member_delta(layer, phi, z)).to(base.dtype)
-        return phi, logits
+        if deterministic or bnn.context.deterministic:
+            return phi, base.unsqueeze(0).expand(num_members, *base.shape).clone()
+        z = index_vectors(seed, num_members, layer.index_dim, base.device)
+        return phi, base.unsqueeze(0) + (knob_value(layer) * member_delta(layer, phi, z)).to(base.dtype)
 
     def export_module(self, bnn: BayesianModel, *, samples_per_component: int, seed: int,
                       example_input: Any) -> nn.Module:
