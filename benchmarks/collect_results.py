@@ -60,12 +60,13 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
-        Part("session14.md", "Member-wise Laplace heads for the hypernet, MNF and the epinet; "
-             "a spread knob's 0 scored with one sample",
+        Part("session14.md", "Member-wise Laplace heads for the hypernet, MNF and the epinet "
+             "(SWAG's as an option); a spread knob's 0 scored with one sample",
              "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol P --seeds 0 1 2 "
              "--save-seeds --methods hypernet mnf epinet --variant hyp-h hypernet "
              "laplace_heads=True --variant mnf-h mnf laplace_heads=True --variant epi-h epinet "
-             "laplace_heads=True (before the default changed); BAYESIFY_STRESS_SEED=S "
+             "laplace_heads=True (before the default changed), --methods swag --variant swag-h swag "
+             "laplace_heads=True; BAYESIFY_STRESS_SEED=S "
              "BAYESIFY_STRESS_TEST=1 pytest -m slow tests/test_stress_pretrained.py -k "
              "'(hypernet or mnf or epinet) and True'; python benchmarks/held_out_nets.py NET 0 "
              "cells.jsonl hypernet,mnf; the text is written by hand"),

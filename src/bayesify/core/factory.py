@@ -65,7 +65,7 @@ def bayesify(
             f"laplace_heads=True is not available for method {method!r}: its predictive "
             f"members are not a Linear classifier on features the heads could read "
             f"({unsupported}). Use it without laplace_heads, or a "
-            "family that has them (every family but laplace, which is one, and swag)")
+            "family that has them (every family but laplace, which is one)")
     family = method_cls(config)
     plan = plan_targets(model, family)  # validates; raises before any change
 

@@ -105,13 +105,17 @@ def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, m
                     seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``ã [M, B, D']`` (the classifier's input of every member, with a 1 for the bias)
     and the member logits ``f [M, B, C]`` (``method.member_logits``, one forward): read by a
-    hook on the classifier, or the family's own ``heads_features`` where its members add a
-    term after the classifier (the epinet: ``f_m = Wφ + b + δ_m(φ)``, one φ for every
-    member; δ_m does not depend on the head's weights, so the GLM is the same)."""
+    hook on the classifier, or the family's own ``heads_features`` — φ ``[B, D]`` shared by
+    every member that adds a term after the classifier (the epinet: ``f_m = Wφ + b + δ_m(φ)``;
+    δ_m does not depend on the head's weights, so the GLM is the same), or ``[M, B, D]`` where
+    the members cannot run under the hook together (SWAG's vmapped samples)."""
     own = getattr(bnn.method, "heads_features", None)
-    if own is not None:  # one φ for every member: a stride-0 view (HeadsPosterior.variances)
+    if own is not None:
         phi, logits = own(bnn, x, samples_per_component=samples_per_component, seed=seed)
-        feats = torch.cat([phi, torch.ones_like(phi[:, :1])], dim=-1)
+        feats = torch.cat([phi, torch.ones_like(phi[..., :1])], dim=-1)
+        if feats.dim() == 3:
+            return feats, logits
+        # one φ for every member: a stride-0 view (HeadsPosterior.variances projects it once)
         return feats.unsqueeze(0).expand(logits.shape[0], *feats.shape), logits
     module = classifier_module(bnn)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -26,6 +26,7 @@ from bayesify.core.fitting import Knob, Step
 from bayesify.core.method import Method
 from bayesify.core.outputs import logits_of
 from bayesify.core.selection import log_grid
+from bayesify.errors import BayesifyError
 from bayesify.kit.family import add_modules
 from bayesify.methods.swag import state
 from bayesify.methods.swag.config import SWAGConfig
@@ -42,10 +43,6 @@ _NO_BATCHING_RULE = "There is a performance drop because we have not yet impleme
 
 class SWAGMethod(Method):
     """SWA / SWAG-diagonal / SWAG around the pretrained weights (SGD snapshots)."""
-
-    laplace_heads_unsupported: ClassVar[str] = (
-        "its members are weight samples evaluated under torch.func, whose batched features "
-        "cannot be read outside the call")
 
     name = "swag"
     config_cls = SWAGConfig
@@ -131,6 +128,35 @@ class SWAGMethod(Method):
             states = [{**self.sample(bnn, m, seed), **bn_stats[m]} for m in ids]
             outs.append(_evaluate(bnn, states, x, vectorize=self.config.vectorize))
         return torch.cat(outs, dim=0)
+
+    def heads_features(self, bnn: BayesianModel, x: Any, *, samples_per_component: int,
+                       seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(φ [M, B, D], f [M, B, C])`` of the sampled networks for member-wise Laplace heads:
+        one ``functional_call`` per member with a hook on the classifier (the vmapped
+        members of :meth:`member_logits` hide their batched features from a hook)."""
+        from bayesify.kit.laplace_heads import classifier_module
+
+        if self.config.variant == "swa" or not state.fitted(bnn):
+            states = [{}]
+        else:
+            bn_stats = self.member_batchnorm(bnn, samples_per_component, seed)
+            states = [{**self.sample(bnn, m, seed), **bn_stats[m]}
+                      for m in range(samples_per_component)]
+        seen: list[torch.Tensor] = []
+        handle = classifier_module(bnn).register_forward_hook(
+            lambda _module, inputs, _output: seen.append(inputs[0].detach()))
+        args, kwargs = (x.args, x.kwargs) if isinstance(x, Batch) else ((x,), {})
+        try:
+            logits = torch.stack([logits_of(functional_call(bnn.model, s, args, kwargs))
+                                  for s in states])
+        finally:
+            handle.remove()
+        if len(seen) != len(states) or any(f.dim() != 2 for f in seen):
+            raise BayesifyError(
+                "laplace_heads needs SWAG's classifier (a Linear on [B, D] features) to run "
+                f"once per sampled network; it ran {len(seen)} times for {len(states)}; use "
+                "laplace_heads=False")
+        return torch.stack(seen), logits
 
     def export_module(self, bnn: BayesianModel, *, samples_per_component: int, seed: int,
                       example_input: Any) -> nn.Module:
