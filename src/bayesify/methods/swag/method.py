@@ -145,10 +145,8 @@ class SWAGMethod(Method):
         seen: list[torch.Tensor] = []
         handle = classifier_module(bnn).register_forward_hook(
             lambda _module, inputs, _output: seen.append(inputs[0].detach()))
-        args, kwargs = (x.args, x.kwargs) if isinstance(x, Batch) else ((x,), {})
         try:
-            logits = torch.stack([logits_of(functional_call(bnn.model, s, args, kwargs))
-                                  for s in states])
+            logits = _evaluate(bnn, states, x, vectorize=False)  # one by one: the hook sees each
         finally:
             handle.remove()
         if len(seen) != len(states) or any(f.dim() != 2 for f in seen):
