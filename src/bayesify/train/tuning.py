@@ -489,9 +489,8 @@ class _KnobWalk:
 
     def samples(self, i: int) -> int | None:
         """Samples per component to predict value ``i`` with: 1 where every sample of a
-        component is the same network (``Knob.one_sample_at``: a spread multiplier at 0 —
-        MNF on the CNN protocol scores it for 1/8 of the passes), else the predictor's
-        default (None)."""
+        component is the same network (``Knob.one_sample_at``: a spread multiplier at 0, scored
+        at 1/S of the passes), else the predictor's default (None)."""
         knob = self.knob
         if knob is not None and knob.one_sample_at is not None \
                 and self.values[i] == knob.one_sample_at:
