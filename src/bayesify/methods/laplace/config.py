@@ -12,6 +12,7 @@ STRUCTURES = ("auto", "kron", "diag", "full")
 AUTO_FULL_PARAMS = 5000
 LINKS = ("probit", "mc", "bridge")
 PRIOR_METHODS = ("auto", "marglik", "val_nll", "fixed")
+CURVATURES = ("auto", "ggn", "features")
 
 
 def auto_structure(classifier: Any) -> str:
@@ -37,6 +38,12 @@ class LaplaceConfig(MethodConfig):
         "(better shift NLL and OOD AUROC than kron at the same clean NLL), kron above, diag "
         "for a subnetwork."
     )
+    curvature: str = option(
+        "auto", "Last-layer curvature: 'ggn' (softmax GGN), 'features' (a Gaussian likelihood on "
+        "the logits, std logit_std: its variance is a feature distance from the training data), "
+        "or 'auto': 'features' when a val_loader chooses τ, else 'ggn'."
+    )
+    logit_std: float = option(10.0, "Std of curvature='features''s likelihood on the logits.")
     prior_precision: float = option(1.0, "τ: initial (or, with prior_method='fixed', final) prior precision.")
     prior_method: str = option(
         "auto", "How τ is chosen: 'auto' ('val_nll' when fit gets a val_loader, else "
@@ -45,15 +52,9 @@ class LaplaceConfig(MethodConfig):
     )
     prior_per_layer: bool = option(False, "One τ per wrapped layer instead of one scalar (marglik).")
     keep_accuracy: float | None = option(
-        0.0, "Without validation data ('auto' resolved to 'marglik', last layer, probit or "
-        "bridge link): τ is raised from the evidence's by factors of √10 until the "
-        "predictive's accuracy on the training examples (the first 4096 of each process) is "
-        "within this of the MAP's (a head with many classes the data never shows — an "
-        "ImageNet head fitted on a few classes — gets the prior's spread on those and can flip "
-        "the argmax). 0: no training example lost on balance — the MAP's margins are larger on "
-        "the examples it was fitted to than on new ones, so a point given up there became 1–2 "
-        "on held-out data (the stress matrix's 1000-way heads, 0.01 before). None: the "
-        "evidence's τ as it is."
+        0.0, "Without validation data (marglik, last layer, probit or bridge link): τ is raised "
+        "×√10 until the predictive's accuracy on the first 4096 training examples is within "
+        "this of the MAP's (0: no example lost on balance; None: the evidence's τ as it is)."
     )
     marglik_steps: int = option(100, "Adam steps on log τ.")
     marglik_lr: float = option(0.1, "Adam learning rate on log τ.")
@@ -98,6 +99,9 @@ class LaplaceConfig(MethodConfig):
                 f"structure must be one of {STRUCTURES}, got {self.structure!r}")
         require(self.val_rule in ("shift", "min"),
                 f"val_rule must be 'shift' or 'min', got {self.val_rule!r}")
+        require(self.curvature in CURVATURES,
+                f"curvature must be one of {CURVATURES}, got {self.curvature!r}")
+        require(self.logit_std > 0, f"logit_std must be > 0, got {self.logit_std}")
         require(self.link in LINKS, f"link must be one of {LINKS}, got {self.link!r}")
         require(self.prior_method in PRIOR_METHODS,
                 f"prior_method must be one of {PRIOR_METHODS}, got {self.prior_method!r}")

@@ -59,6 +59,28 @@ def last_layer_full(feats: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     return full
 
 
+def features_curvature(feats: torch.Tensor, classes: int, structure: str, bias: bool,
+                       precision: float) -> tuple[torch.Tensor, ...]:
+    """A batch's curvature of a Gaussian likelihood on the logits, ``Λ_n = s·I`` (``s`` =
+    ``precision``): ``Σ_n s·I_C ⊗ ã_n ã_nᵀ`` in the layout of ``structure`` — ``kron``:
+    ``(A, G)`` with ``G = s·B·I`` (exact: the curvature is a Kronecker product), ``diag``:
+    ``[P]`` (weight row-major, then bias), ``full``: ``[P, P]``. It weighs every example
+    alike, where the softmax GGN weighs each by ``p(1 − p)``."""
+    a = feats.T @ feats
+    if structure == "kron":
+        b = feats.shape[0]
+        return a, precision * b * torch.eye(classes, dtype=feats.dtype, device=feats.device)
+    if structure == "diag":
+        d = feats.shape[1] - int(bias)
+        sq = feats.square().sum(0) * precision  # [D']
+        parts = [sq[:d].repeat(classes)]
+        if bias:
+            parts.append(sq[d:].repeat(classes))
+        return (torch.cat(parts),)
+    eye = torch.eye(classes, dtype=feats.dtype, device=feats.device)
+    return (precision * torch.kron(eye, a),)
+
+
 def subnetwork_parameters(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
     """Detached MAP values of the subnetwork (functional_call keys)."""
     return {n: model.get_parameter(n).detach() for n in names}

@@ -45,6 +45,15 @@ def resolved_prior_method(config: LaplaceConfig, validating: bool) -> str:
     return config.prior_method
 
 
+def resolved_curvature(config: LaplaceConfig, validating: bool) -> str:
+    """``curvature`` with ``'auto'`` resolved: ``'features'`` when the validation search
+    chooses τ (it sees whether the broad feature-distance posterior holds on the data),
+    else ``'ggn'`` (the marginal likelihood is the softmax model's)."""
+    if config.curvature == "auto":
+        return "features" if resolved_prior_method(config, validating) == "val_nll" else "ggn"
+    return config.curvature
+
+
 class LaplaceStep(CurvatureStep):
     """GGN of softmax cross-entropy at the MAP, summed over the training data."""
 
@@ -54,6 +63,7 @@ class LaplaceStep(CurvatureStep):
         self.config = config
         #: (features ã, labels) of the first GUARD_ROWS training examples (last layer)
         self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._curvature = "ggn"
 
     def ready(self, bnn: BayesianModel) -> bool:
         """The posterior exists once ``fit`` has built it."""
@@ -63,6 +73,9 @@ class LaplaceStep(CurvatureStep):
         if self.config.prior_method == "val_nll" and not ctx.validating:
             raise BayesifyError("prior_method='val_nll' needs fit(..., val_loader=...)")
         bnn = ctx.bnn
+        self._curvature = resolved_curvature(self.config, ctx.validating)
+        if not state.last_layer(bnn):
+            self._subnetwork_curvature()
         for layer in state.layers(bnn).values():
             layer.reset_curvature()
         bnn.state.set("laplace_train_loss", 0.0)
@@ -85,9 +98,13 @@ class LaplaceStep(CurvatureStep):
                 feats = self._features(head, logits, check=True)
                 if feats is not None:
                     check_finite_logits(logits, where="laplace fit")
-                    _last_layer_batch(head, feats.to(dtype), logits.to(dtype).softmax(-1))
+                    if self._curvature == "features":
+                        _features_batch(head, feats.to(dtype), self.config.logit_std)
+                    else:
+                        _last_layer_batch(head, feats.to(dtype), logits.to(dtype).softmax(-1))
             if feats is None:  # diag on a layer that is not the logits: Jacobian path
                 bnn.state.set("laplace_last_layer", 0)
+                self._subnetwork_curvature()
                 with torch.enable_grad():
                     logits = self._subnetwork_batch(bnn, found, inputs)
         else:
@@ -105,6 +122,15 @@ class LaplaceStep(CurvatureStep):
         for layer in found.values():
             layer.n_data.add_(labels.shape[0])
 
+    def _subnetwork_curvature(self) -> None:
+        """A subnetwork posterior's curvature is the GGN ('auto' resolves to it)."""
+        if self.config.curvature == "features":
+            raise BayesifyError(
+                "curvature='features' is the curvature of a last-layer posterior (a Gaussian "
+                "likelihood on the logits of the wrapped classifier); a subnetwork posterior "
+                "uses curvature='ggn' (or 'auto')")
+        self._curvature = "ggn"
+
     def statistics(self, bnn: BayesianModel) -> list[torch.Tensor]:
         """Curvature buffers and N of every layer (not τ) and the summed training loss."""
         out = [buffer for layer in state.layers(bnn).values()
@@ -121,6 +147,7 @@ class LaplaceStep(CurvatureStep):
         found = state.layers(bnn)
         method = resolved_prior_method(cfg, ctx.validating)
         record: dict[str, Any] = {"n_data": float(state.first(found).n_data),
+                                  "curvature": self._curvature,
                                   "train_loss": float(bnn.state.get_buffer("laplace_train_loss")),
                                   "prior_method": method}
         if method == "marglik":
@@ -231,3 +258,17 @@ def _last_layer_batch(layer: LaplaceLayer, feats: torch.Tensor, probs: torch.Ten
         layer.ggn_diag.add_(curv.last_layer_diag(feats, probs, layer.has_bias))
     else:
         layer.ggn_full.add_(curv.last_layer_full(feats, probs))
+
+
+def _features_batch(layer: LaplaceLayer, feats: torch.Tensor, logit_std: float) -> None:
+    """``curvature='features'``: the batch's ``Σ s·I ⊗ ã ãᵀ`` (s = 1/logit_std²)."""
+    classes = layer.base_layer.out_features
+    parts = curv.features_curvature(feats, classes, layer.structure, layer.has_bias,
+                                    1.0 / logit_std**2)
+    if layer.structure == "kron":
+        layer.kron_input.add_(parts[0])
+        layer.kron_output.add_(parts[1])
+    elif layer.structure == "diag":
+        layer.ggn_diag.add_(parts[0])
+    else:
+        layer.ggn_full.add_(parts[0])
