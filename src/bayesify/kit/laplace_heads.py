@@ -75,6 +75,13 @@ HEAD_SEED = 0
 #: member over an ImageNet-sized training set would cost as many epochs of inference as
 #: there are members; the scale of the precision (N) is absorbed by the searched τ
 HEADS_EXAMPLES = 10_000
+#: the heads' curvature: ``"features"`` — a Gaussian likelihood on the logits of std
+#: :data:`LOGIT_STD` (``Λ = I/σ²``: every example weighs alike, and the variance is a
+#: Mahalanobis distance of the member's features from the training features; exact in
+#: Kronecker form), or ``"ggn"`` — the softmax GGN (``Λ = diag p − p pᵀ``: a confidently
+#: classified example adds almost nothing). See the laplace family's ``curvature``.
+CURVATURE = "features"
+LOGIT_STD = 10.0
 NOT_EXPORTED = ("this family's export cannot carry laplace_heads; predict in-process, or "
                 "export the family without laplace_heads")
 #: the state entries a saved posterior with fitted heads holds (``bayesify.<name>``): KFAC
@@ -171,7 +178,12 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
             feats, logits = member_features(bnn, batch.model_input(), samples_per_component=samples,
                                             max_rows=1 << 30, seed=HEAD_SEED)
             feats, probs = feats.double(), logits.double().softmax(-1)
-            if feats.shape[-1] * probs.shape[-1] <= FULL_PARAMS:
+            if CURVATURE == "features":  # s·I ⊗ A_k: a Kronecker product, exactly
+                eye = torch.eye(probs.shape[-1], dtype=probs.dtype, device=probs.device)
+                parts = [_per_component(feats.transpose(1, 2) @ feats, samples),
+                         (feats.shape[1] / LOGIT_STD**2 * eye).expand(
+                             feats.shape[0] // samples, -1, -1).clone()]
+            elif feats.shape[-1] * probs.shape[-1] <= FULL_PARAMS:
                 parts = [_full_ggn(feats, probs, samples)]
             else:
                 parts = [_per_component(feats.transpose(1, 2) @ feats, samples),
