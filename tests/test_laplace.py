@@ -74,6 +74,58 @@ def test_last_layer_precision_matches_brute_force(problem, structure):
     torch.testing.assert_close(got, ref, atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize("structure", ["kron", "diag", "full"])
+def test_features_curvature_is_a_gaussian_likelihood_on_the_logits(problem, structure):
+    """curvature='features': the Hessian of Σ_n ‖f_n − y_n‖² / (2σ²) in θ_last (autograd),
+    I_C ⊗ Σ ã ãᵀ / σ² — exact in every structure but diag's (its diagonal) — and the GLM
+    variance of every class is the same feature distance ãᵀ (A/σ² + τI)⁻¹ ã."""
+    net, x, y, loader = problem
+    tau, sigma = 0.7, 3.0
+    bnn = fitted(net, loader, structure=structure, prior_precision=tau, curvature="features",
+                 logit_std=sigma)
+    _, theta, feats = last_layer_loss(net, x, y)
+    targets = torch.randn(len(x), 3, dtype=torch.float64)  # the Hessian does not depend on them
+
+    def gaussian(t: torch.Tensor) -> torch.Tensor:
+        wb = t.view(3, 7)
+        return ((feats @ wb[:, :6].T + wb[:, 6] - targets).square().sum() / (2 * sigma**2))
+
+    hess = torch.autograd.functional.hessian(gaussian, theta)
+    ref = torch.diag(hess.diagonal()) if structure == "diag" else hess
+    eye = torch.eye(len(theta), dtype=torch.float64)
+    t = torch.tensor([tau], dtype=torch.float64)
+    torch.testing.assert_close(bnn.method.posterior(bnn).precision(t), ref + tau * eye,
+                               atol=TOL, rtol=TOL)
+    if structure != "diag":
+        a = torch.cat([feats, torch.ones(len(x), 1, dtype=feats.dtype)], 1)
+        m = ((a @ torch.linalg.inv(a.T @ a / sigma**2 + tau * torch.eye(7, dtype=a.dtype)))
+             * a).sum(-1)
+        _, sf = functional_covariance(bnn, net, x, tau)
+        torch.testing.assert_close(sf, torch.diag_embed(m[:, None].expand(-1, 3)),
+                                   atol=TOL, rtol=TOL)
+
+
+def test_curvature_auto_is_features_when_validation_chooses_tau(problem):
+    """'auto' resolves to the feature curvature when fit's search chooses τ on a val_loader,
+    to the GGN with the marginal likelihood (and the record says which); a subnetwork
+    refuses an explicit 'features'."""
+    net, x, y, loader = problem
+    val = DataLoader(TensorDataset(x, y), batch_size=10)
+    with_val = bayesify(net, "laplace", structure="full", val_grid=(0.01, 100.0, 5))
+    assert fit(with_val, loader, val_loader=val, progress=False).last["curvature"] == "features"
+    reference = fitted(net, loader, structure="full", curvature="features", prior_precision=1.0)
+    t = torch.ones(1, dtype=torch.float64)
+    torch.testing.assert_close(with_val.method.posterior(with_val).precision(t),
+                               reference.method.posterior(reference).precision(t))
+    without = bayesify(net, "laplace", structure="full")
+    assert fit(without, loader, progress=False).last["curvature"] == "ggn"
+    with pytest.raises(BayesifyError, match="last-layer posterior"):
+        fit(bayesify(net, "laplace", targets="all", curvature="features", prior_method="fixed"),
+            loader, progress=False)
+    with pytest.raises(BayesifyError, match="curvature"):
+        bayesify(net, "laplace", curvature="gauss")
+
+
 def test_kron_is_exact_for_one_example(problem):
     net, x, y, _ = problem
     loader = DataLoader(TensorDataset(x[:1], y[:1]), batch_size=1)
@@ -293,3 +345,48 @@ def test_without_validation_the_evidence_tau_is_raised_until_the_argmax_holds(on
     assert record["guard_train_accuracy"] >= record["guard_train_accuracy_map"]
     assert bnn_metrics(plain, val)[0] < acc0 - 0.015  # the flips the guard prevents
     assert bnn_metrics(guarded, val)[0] >= acc0 - 0.01
+
+
+def test_the_broad_end_is_not_warned_about_where_it_is_the_posteriors_limit(problem):
+    """A τ far below every curvature eigenvalue gives the τ → 0 posterior (variances within
+    1 %): a choice there is the data's, not the grid's, and is not warned about; a grid whose
+    broad end still changes the posterior (or a GGN, singular along 1: softmax is
+    shift-invariant) keeps the warning."""
+    import warnings
+
+    from bayesify.core.selection import prior_is_negligible
+    from bayesify.methods.laplace.posterior import curvature_eigenvalues
+    from bayesify.train import tuning
+
+    net, x, y, loader = problem
+    val = DataLoader(TensorDataset(x, y), batch_size=10)
+
+    def edge(bnn):
+        knob, = bnn.method.knobs(bnn)
+        values = list(knob.grid)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            tuning._warn_at_edge(bnn, knob, values, values.index(min(values)))
+        return knob, [str(w.message) for w in seen if "broadest end" in str(w.message)]
+
+    features = bayesify(net, "laplace", structure="kron", val_grid=(1e-8, 1.0, 5))
+    fit(features, loader, val_loader=val, progress=False)
+    eig = curvature_eigenvalues(features.method.posterior(features))
+    assert float(eig.min()) >= 1e-6  # the feature curvature: I ⊗ A/σ², A of full rank here
+    knob, warned = edge(features)
+    assert knob.broad_limit() and not warned
+    tau, smaller = torch.tensor([1e-8], dtype=torch.float64), torch.tensor([0.0], dtype=torch.float64)
+    posterior = features.method.posterior(features)
+    torch.testing.assert_close(posterior.functional_variance(x.new_ones(2, 7), tau)[0],
+                               posterior.functional_variance(x.new_ones(2, 7), smaller)[0],
+                               rtol=1e-2, atol=0)
+    coarse = bayesify(net, "laplace", structure="kron", val_grid=(1.0, 10.0, 3))
+    fit(coarse, loader, val_loader=val, progress=False)
+    knob, warned = edge(coarse)
+    assert not prior_is_negligible(curvature_eigenvalues(coarse.method.posterior(coarse)), 1.0)
+    assert not knob.broad_limit() and len(warned) == 1
+    ggn = bayesify(net, "laplace", structure="kron", curvature="ggn", prior_method="val_nll",
+                   val_grid=(1e-6, 1.0, 4))
+    fit(ggn, loader, val_loader=val, progress=False)
+    knob, warned = edge(ggn)
+    assert not knob.broad_limit() and len(warned) == 1

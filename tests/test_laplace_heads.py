@@ -49,9 +49,12 @@ def test_without_validation_the_heads_are_not_fitted_and_the_family_predicts() -
                                rtol=0, atol=0)
 
 
-@pytest.fixture(params=["kron", "full"])
+@pytest.fixture(params=["kron", "full", "features"])
 def structure(request, monkeypatch) -> str:
-    """The heads' curvature: KFAC, or the exact GGN (the default for these small heads)."""
+    """The heads' curvature: the feature curvature (the default: Kronecker, exactly), the
+    softmax GGN in KFAC form, or the exact GGN."""
+    if request.param != "features":
+        monkeypatch.setattr(heads, "CURVATURE", "ggn")
     if request.param == "kron":
         monkeypatch.setattr(heads, "FULL_PARAMS", 0)
     return request.param
@@ -68,8 +71,8 @@ def _dense_precision(bnn, k: int, tau: float) -> torch.Tensor:
 
 def test_glm_variance_equals_dense_brute_force(structure) -> None:
     """diag((I ⊗ ãᵀ) (H_k + τ I)⁻¹ (I ⊗ ã)) per member, in its component's precision (KFAC
-    G_k ⊗ A_k / N, or the exact GGN), against the dense inverse (iBNN: 2 components × 3
-    samples)."""
+    G_k ⊗ A_k / N, the exact GGN, or the feature curvature), against the dense inverse
+    (iBNN: 2 components × 3 samples)."""
     bnn = _fitted("ibnn", components=2, predict_samples=3)
     x, _ = _data(6, 3)
     feats, _ = heads.member_features(bnn, x, samples_per_component=3, max_rows=4096, seed=0)
@@ -89,8 +92,9 @@ def test_glm_variance_equals_dense_brute_force(structure) -> None:
 
 def test_curvature_equals_brute_force_sums(structure) -> None:
     """KFAC: A_k = 1/S Σ_s Σ_n ã ãᵀ and G_k = 1/S Σ_s Σ_n (diag p − p pᵀ); full: H_k = 1/S
-    Σ_s Σ_n (diag p − p pᵀ) ⊗ ã ãᵀ — over the training data, per component (iBNN: 2
-    components × 3 samples)."""
+    Σ_s Σ_n (diag p − p pᵀ) ⊗ ã ãᵀ; features: A_k and G_k = N/σ² I (so G_k ⊗ A_k / N is
+    I ⊗ A_k / σ², the Hessian of a Gaussian likelihood on the logits) — over the training
+    data, per component (iBNN: 2 components × 3 samples)."""
     bnn = _fitted("ibnn", components=2, predict_samples=3)
     x, _ = _data()
     bnn.eval()
@@ -109,8 +113,10 @@ def test_curvature_equals_brute_force_sums(structure) -> None:
             continue
         assert heads._H not in buffers
         torch.testing.assert_close(buffers[heads._A][k], sum(f[m].T @ f[m] for m in members) / 3)
-        torch.testing.assert_close(
-            buffers[heads._G][k], sum(torch.diag(p[m].sum(0)) - p[m].T @ p[m] for m in members) / 3)
+        g = (48 / heads.LOGIT_STD**2 * torch.eye(p.shape[-1], dtype=p.dtype)
+             if structure == "features"
+             else sum(torch.diag(p[m].sum(0)) - p[m].T @ p[m] for m in members) / 3)
+        torch.testing.assert_close(buffers[heads._G][k], g)
     assert bnn.state.value(heads._N) == 48
 
 
@@ -228,7 +234,8 @@ def test_saved_heads_load_exactly_and_refuse_what_does_not_fit(tmp_path, monkeyp
         heads.restore(bayesify(_net(), method="ibnn", laplace_heads=True), tensors)
 
 
-def test_saved_full_heads_load_exactly_and_refuse_what_does_not_fit(tmp_path) -> None:
+def test_saved_full_heads_load_exactly_and_refuse_what_does_not_fit(tmp_path,
+                                                                     monkeypatch) -> None:
     """The exact-GGN heads (H_k, τ) save and load like the KFAC ones; an H of another size or
     one with a KFAC factor beside it is refused; refitting after a KFAC fit drops the
     factors."""
@@ -236,6 +243,7 @@ def test_saved_full_heads_load_exactly_and_refuse_what_does_not_fit(tmp_path) ->
 
     from bayesify import load_posterior
 
+    monkeypatch.setattr(heads, "CURVATURE", "ggn")
     bnn = _fitted("ibnn", val=True)
     assert heads._H in dict(bnn.state.named_buffers())
     heads.set_prior_precision(bnn, 0.3)

@@ -68,7 +68,11 @@ class Knob:
     1–2 % of a deep ensemble's training); ``one_sample_at``: a value at which every sample
     of a posterior component is the same network (a spread multiplier at 0: the component
     means), so the search predicts it with one sample per component instead of the
-    predictor's S — the same predictive to rounding, at 1/S of the cost (``None``: none).
+    predictor's S — the same predictive to rounding, at 1/S of the cost (``None``: none);
+    ``broad_limit``: ``True`` when the broadest grid value already gives the posterior's limit
+    (a GLM prior precision far below every curvature eigenvalue: nothing broader changes a
+    variance by more than a per cent), so a choice there is not the grid's doing and is
+    not warned about (``None``: always warned about).
     """
 
     name: str
@@ -83,6 +87,7 @@ class Knob:
     grid_log_probs: Callable[[Any], list[torch.Tensor]] | None = None
     walk: bool = True
     one_sample_at: float | None = None
+    broad_limit: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,13 @@ def log_grid(spec: tuple[float, float, int]) -> list[float]:
                           dtype=torch.float64).tolist()
 
 
+def prior_is_negligible(eigenvalues: torch.Tensor, tau: float) -> bool:
+    """Whether a GLM prior precision ``tau`` is far below every curvature eigenvalue: then
+    every posterior variance ``1/(λ + τ)`` is within 1 % of its ``τ → 0`` limit, and a
+    smaller τ gives the same posterior."""
+    return eigenvalues.numel() > 0 and float(eigenvalues.min()) >= 100.0 * tau
+
+
 def choose(grid: list[float], per_value: list[torch.Tensor], *, rule: str,
            prefer: str, paired: bool = False, ceiling: float | None = None) -> int:
     """Index of the chosen grid value (see the module docstring).

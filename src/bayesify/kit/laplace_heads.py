@@ -3,16 +3,25 @@
 
 Every predictive member m of a family is a fixed network whose classifier is linear in
 its input: ``f_m(x) = W_m φ_m(x) + b_m`` (ensemble copies, iBNN/rank-1 noise or dropout
-samples all keep this form). Around each posterior component's head a last-layer Laplace
-with a KFAC GGN (the exact GGN ``H_k`` for a classifier of at most :data:`FULL_PARAMS`
-parameters, :func:`_full_ggn`), fitted in one gradient-free pass over the training data after the
-family's fit (:func:`fit_heads`); component k's curvature is averaged over its S samples
+samples all keep this form). Around each posterior component's head a last-layer Laplace,
+fitted in one gradient-free pass over the training data after the family's fit
+(:func:`fit_heads`). Its curvature (:data:`CURVATURE`) is by default that of a Gaussian
+likelihood on the logits, ``Λ = I/σ²`` (σ = :data:`LOGIT_STD`; a Bayesian linear regression
+on the member's features, SNGP's covariance), averaged over component k's S samples
 (members ``k·S … k·S + S − 1``, which share its classifier weights)::
 
-    A_k = 1/S Σ_s Σ_n ã_sn ã_snᵀ  [D', D'],  ã = [φ, 1];   G_k = 1/S Σ_s Σ_n (diag p_sn − p_sn p_snᵀ)
-    Σ_k = (G_k ⊗ A_k / N + τ I)⁻¹   over θ_k = vec([W_k | b_k])
+    A_k = 1/S Σ_s Σ_n ã_sn ã_snᵀ  [D', D'],  ã = [φ, 1];   Σ_k = (I ⊗ A_k / σ² + τ I)⁻¹
 
-gives member m of component k the GLM predictive ``f ~ N(f_m(x), Σ_f,m)`` with
+— a Kronecker product, exactly, whose variance ``ãᵀ (A_k/σ² + τI)⁻¹ ã`` is a Mahalanobis
+distance of the features from the training features: it weighs every training example
+alike, where the softmax GGN (``CURVATURE = "ggn"``: ``G_k = 1/S Σ_s Σ_n (diag p_sn − p_sn
+p_snᵀ)``, ``Σ_k = (G_k ⊗ A_k / N + τ I)⁻¹``, or the exact GGN ``H_k`` for a classifier of at
+most :data:`FULL_PARAMS` parameters, :func:`_full_ggn`) weighs each by ``p(1 − p)``, so
+that confidently classified examples — most of a pretrained network's — hardly narrow it.
+Measured on both quality protocols (3 seeds): the feature curvature gives lower NLL under
+shift and higher OOD AUROC (``benchmarks/RESULTS.md``, "The feature curvature").
+
+Σ_k gives member m of component k the GLM predictive ``f ~ N(f_m(x), Σ_f,m)`` with
 ``Σ_f,m = (I ⊗ ã_mᵀ) Σ_k (I ⊗ ã_m)``, whose diagonal grows off the data (features the
 curvature has not seen). Each member's predictive is the probit
 ``softmax(f_m / sqrt(1 + π/8 · diag Σ_f,m))``; the model's predictive the mixture over
@@ -45,7 +54,7 @@ from bayesify.core.locks import model_lock
 from bayesify.core.names import BASE_LAYER, base_name
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
-from bayesify.core.selection import log_grid
+from bayesify.core.selection import log_grid, prior_is_negligible
 from bayesify.core.state import derived
 from bayesify.core.walker import find_classifier
 from bayesify.errors import BayesifyError
@@ -318,7 +327,8 @@ def heads_knob(bnn: BayesianModel) -> list[Knob]:
                  meaning="prior precision τ of the member-wise Laplace heads; smaller is broader",
                  set=lambda tau: set_prior_precision(bnn, tau), prefer="smallest", initial=None,
                  sharpens=True,
-                 grid_log_probs=lambda x: grid_log_probs(bnn, x, grid))]
+                 grid_log_probs=lambda x: grid_log_probs(bnn, x, grid),
+                 broad_limit=lambda: prior_is_negligible(_posterior(bnn).eig, min(grid)))]
 
 
 @torch.no_grad()

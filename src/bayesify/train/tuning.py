@@ -642,7 +642,7 @@ def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: in
             f"validation (clean NLL within {CLEAN_TOLERANCE:g} nats of the calibrated start's, "
             "then the lowest NLL under the search's shifts), so the predictive keeps only the "
             f"spread training gave the posterior. {advice}", stacklevel=3)
-    elif value == broadest:
+    elif value == broadest and not (knob.broad_limit is not None and knob.broad_limit()):
         warnings.warn(
             f"{bnn.method_name}: the validation search chose {knob.name} = {value:g}, the "
             f"broadest end of its grid ({knob.meaning}): the best value may lie beyond it; "

@@ -4,7 +4,11 @@ linearised (GLM) predictive with probit / bridge / MC link.
 Two modes, chosen from the targets:
 
 * **last layer** (one Linear target whose output is the model's logits): curvature
-  from the features captured by the wrapper's forward (``kron``, ``diag``, ``full``);
+  from the features captured by the wrapper's forward (``kron``, ``diag``, ``full``) —
+  the softmax GGN, or (``curvature='features'``, the default when a ``val_loader``'s
+  search chooses τ) that of a Gaussian likelihood on the logits, ``I ⊗ Σ ã ãᵀ / σ²``,
+  whose GLM variance is a Mahalanobis distance of the features from the training
+  features (every example weighs alike; the GGN weighs each by ``p(1 − p)``);
 * **subnetwork** (any other targets, ``structure='diag'``): per-example Jacobians with
   ``torch.func`` (exact GGN diagonal, or a sampled Fisher).
 
@@ -28,7 +32,7 @@ from bayesify.core.locks import model_lock
 from bayesify.core.method import Method, wrap_targets
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
-from bayesify.core.selection import log_grid
+from bayesify.core.selection import log_grid, prior_is_negligible
 from bayesify.errors import BayesifyError
 from bayesify.methods.laplace import curvature as curv
 from bayesify.methods.laplace import posterior as post
@@ -101,6 +105,8 @@ class LaplaceMethod(Method):
                      meaning="prior precision τ of the Laplace posterior; smaller is broader",
                      set=lambda tau: state.set_prior_precision(bnn, tau), prefer="smallest",
                      rule=cfg.val_rule, settle=lambda: state.evidence_record(bnn, cfg),
+                     broad_limit=lambda: prior_is_negligible(
+                         post.curvature_eigenvalues(self.posterior(bnn)), min(grid)),
                      grid_log_probs=(lambda x: self._grid_log_probs(bnn, x, grid))
                      if one_pass else None)]
 

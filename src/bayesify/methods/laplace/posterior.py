@@ -224,6 +224,13 @@ class SubnetworkDiag:
         return diag, rowsum.squeeze(2), (col.square() * var).sum(-1)
 
 
+def curvature_eigenvalues(posterior: object) -> torch.Tensor:
+    """The eigenvalues of a posterior's curvature (precision − τI): ``eig`` of the KFAC and
+    full views, the diagonal ``h`` of the diagonal ones."""
+    eig = getattr(posterior, "eig", None)
+    return eig if eig is not None else posterior.h  # type: ignore[attr-defined]
+
+
 def log_marginal_likelihood(
     log_det_posterior: torch.Tensor,
     tau: torch.Tensor,
