@@ -26,7 +26,9 @@ def auto_structure(classifier: Any) -> str:
 
 @dataclass(frozen=True)
 class LaplaceConfig(MethodConfig):
-    """Laplace around the pretrained weights, last-layer Kron/diag/full GGN (Daxberger et al.)."""
+    """Laplace around the pretrained weights, last-layer Kron/diag/full (Daxberger et al.).
+
+    The curvature (``curvature``): the softmax GGN, or a Gaussian likelihood on the logits."""
 
     targets: Any = option(
         "last_layer", "Layers under the posterior: 'last_layer' (default; kron/diag/full) or any "

@@ -1,4 +1,4 @@
-"""Laplace family: GGN curvature in one data pass, prior precision by evidence or val NLL,
+"""Laplace family: curvature in one data pass, prior precision by evidence or val NLL,
 linearised (GLM) predictive with probit / bridge / MC link.
 
 Two modes, chosen from the targets:

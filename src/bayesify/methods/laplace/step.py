@@ -1,4 +1,5 @@
-"""Laplace's curvature step: one gradient-free pass adds every batch's GGN to the layers'
+"""Laplace's curvature step: one gradient-free pass adds every batch's curvature (the softmax
+GGN, or the feature curvature of ``curvature='features'``) to the layers'
 buffers; ``end`` sums them over the ranks and chooses τ by the marginal likelihood
 (``prior_method='marglik'``, or ``'auto'`` without a validation split). With validation
 data the driver's knob search chooses τ instead (``LaplaceMethod.knobs``).
@@ -55,7 +56,8 @@ def resolved_curvature(config: LaplaceConfig, validating: bool) -> str:
 
 
 class LaplaceStep(CurvatureStep):
-    """GGN of softmax cross-entropy at the MAP, summed over the training data."""
+    """The curvature at the MAP (softmax GGN or the feature curvature), summed over the
+    training data."""
 
     refusal = "Laplace is fitted by one gradient-free curvature pass over the data"
 
@@ -85,7 +87,7 @@ class LaplaceStep(CurvatureStep):
 
     @torch.no_grad()
     def accumulate(self, bnn: BayesianModel, inputs: Any, labels: torch.Tensor) -> None:
-        """Add one batch's GGN to the layers' buffers and its summed loss to the state.
+        """Add one batch's curvature to the layers' buffers and its summed loss to the state.
         Last layer: one no-grad forward, features captured by the wrapper."""
         check_finite_inputs(inputs.args + tuple(inputs.kwargs.values()) if hasattr(inputs, "args")
                             else inputs, where="laplace fit")
