@@ -42,6 +42,12 @@ def entropy(log_probs: torch.Tensor) -> torch.Tensor:
     return -(log_probs.exp() * log_probs).sum(-1)
 
 
+def probit(feats: torch.Tensor, logits: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The probit GLM predictive's log-probabilities from the class blocks ``Σ_cc [C, D', D']``."""
+    var = torch.einsum("bd,cde,be->bc", feats, blocks, feats)
+    return torch.log_softmax(logits / torch.sqrt(1 + math.pi / 8 * var), -1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--protocol", choices=sorted(PROTOCOLS), default="digits-cnn")
@@ -94,11 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             cov = (q / (eig + tau)) @ q.T
             blocks = cov.view(c, d, c, d).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
 
-            def probit(f: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-                var = torch.einsum("bd,cde,be->bc", f, blocks, f)
-                return torch.log_softmax(logits / torch.sqrt(1 + math.pi / 8 * var), -1)
-
-            lp = {k: probit(*v) for k, v in sets.items() if k != "val"}
+            lp = {k: probit(f, logits, blocks) for k, (f, logits) in sets.items() if k != "val"}
             for t in TEMPERATURES:
                 scaled = {k: torch.log_softmax(v / t, -1) for k, v in lp.items()}
                 shift = sum(nll(scaled[k], ty) for k in shifted) / len(shifted)

@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "search": {k: v for k, v in record.items()
                    if isinstance(v, (int, float, str)) and not k.startswith("val_")},
         "calibration": calibration if isinstance(calibration, dict) else str(calibration),
-        "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+        "metrics": {k: v for k, v in metrics.items() if v is None or isinstance(v, (int, float))},
         "export": {k: info[k] for k in ("path", "members", "inputs", "dynamic_axes", "max_abs_diff")},
         "reloaded_matches_in_process": float(max((probs - reference.probs).abs().max(),
                                                  (epistemic - reference.epistemic).abs().max())),

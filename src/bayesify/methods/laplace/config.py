@@ -15,13 +15,14 @@ PRIOR_METHODS = ("auto", "marglik", "val_nll", "fixed")
 CURVATURES = ("auto", "ggn", "features")
 
 
-def auto_structure(classifier: Any) -> str:
+def auto_structure(classifier: Any, max_full_params: int = AUTO_FULL_PARAMS) -> str:
     """What ``structure='auto'`` resolves to for the one Linear target ``classifier`` (None:
-    a subnetwork)."""
+    a subnetwork): full up to :data:`AUTO_FULL_PARAMS` parameters (and the config's
+    ``max_full_params``), kron above."""
     if classifier is None:
         return "diag"
     params = sum(p.numel() for p in classifier.parameters())
-    return "full" if params <= AUTO_FULL_PARAMS else "kron"
+    return "full" if params <= min(AUTO_FULL_PARAMS, max_full_params) else "kron"
 
 
 @dataclass(frozen=True)

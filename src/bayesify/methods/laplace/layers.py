@@ -47,8 +47,9 @@ class LaplaceLayer(BayesianLayer):
             p = self.num_params()
             if p > config.max_full_params:
                 raise BayesifyError(
-                    f"structure='full' on {p} parameters needs a {p}×{p} matrix; above "
-                    f"max_full_params={config.max_full_params}. Use 'kron' or 'diag'"
+                    f"method 'laplace': structure='full' on {p} parameters needs a {p}×{p} "
+                    f"matrix; above max_full_params={config.max_full_params}. Use 'kron' or "
+                    "'diag'"
                 )
             self.register_buffer("ggn_full", torch.zeros(p, p, **factory))
         else:

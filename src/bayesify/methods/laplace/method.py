@@ -72,7 +72,8 @@ class LaplaceMethod(Method):
         modules = dict(model.named_modules())
         single_linear = len(targets) == 1 and isinstance(modules[targets[0]], nn.Linear)
         if self.config.structure == "auto":
-            chosen = auto_structure(modules[targets[0]] if single_linear else None)
+            chosen = auto_structure(modules[targets[0]] if single_linear else None,
+                                    self.config.max_full_params)
             logger.info("laplace: structure='auto' → %r (%s)", chosen,
                         "a subnetwork" if not single_linear else
                         f"{sum(p.numel() for p in modules[targets[0]].parameters())} "
