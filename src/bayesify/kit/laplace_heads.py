@@ -187,17 +187,17 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
             feats, logits = member_features(bnn, batch.model_input(), samples_per_component=samples,
                                             max_rows=1 << 30, seed=HEAD_SEED)
             feats, probs = feats.double(), logits.double().softmax(-1)
-            if CURVATURE == "features":  # s·I ⊗ A_k: a Kronecker product, exactly
-                eye = torch.eye(probs.shape[-1], dtype=probs.dtype, device=probs.device)
-                parts = [_per_component(feats.transpose(1, 2) @ feats, samples),
-                         (feats.shape[1] / LOGIT_STD**2 * eye).expand(
-                             feats.shape[0] // samples, -1, -1).clone()]
-            elif feats.shape[-1] * probs.shape[-1] <= FULL_PARAMS:
+            if CURVATURE == "ggn" and feats.shape[-1] * probs.shape[-1] <= FULL_PARAMS:
                 parts = [_full_ggn(feats, probs, samples)]
-            else:
-                parts = [_per_component(feats.transpose(1, 2) @ feats, samples),
-                         _per_component(torch.diag_embed(probs.sum(1))
-                                        - probs.transpose(1, 2) @ probs, samples)]
+            else:  # KFAC factors; for the feature curvature G_k = B/σ² I makes them exact
+                if CURVATURE == "features":
+                    eye = torch.eye(probs.shape[-1], dtype=probs.dtype, device=probs.device)
+                    g = (feats.shape[1] / LOGIT_STD**2 * eye).expand(
+                        feats.shape[0] // samples, -1, -1).clone()  # its own memory: summed, saved
+                else:
+                    g = _per_component(torch.diag_embed(probs.sum(1))
+                                       - probs.transpose(1, 2) @ probs, samples)
+                parts = [_per_component(feats.transpose(1, 2) @ feats, samples), g]
             sums = parts if sums is None else [t + u for t, u in zip(sums, parts)]
             n += feats.shape[1]
     finally:

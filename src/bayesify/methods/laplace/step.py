@@ -100,10 +100,9 @@ class LaplaceStep(CurvatureStep):
                 feats = self._features(head, logits, check=True)
                 if feats is not None:
                     check_finite_logits(logits, where="laplace fit")
-                    if self._curvature == "features":
-                        _features_batch(head, feats.to(dtype), self.config.logit_std)
-                    else:
-                        _last_layer_batch(head, feats.to(dtype), logits.to(dtype).softmax(-1))
+                    _last_layer_batch(head, feats.to(dtype), logits.to(dtype).softmax(-1),
+                                      self.config.logit_std if self._curvature == "features"
+                                      else None)
             if feats is None:  # diag on a layer that is not the logits: Jacobian path
                 bnn.state.set("laplace_last_layer", 0)
                 self._subnetwork_curvature()
@@ -251,26 +250,20 @@ class LaplaceStep(CurvatureStep):
         return torch.cat(outs)
 
 
-def _last_layer_batch(layer: LaplaceLayer, feats: torch.Tensor, probs: torch.Tensor) -> None:
-    if layer.structure == "kron":
-        a, g = curv.kron_factors(feats, probs)
-        layer.kron_input.add_(a)
-        layer.kron_output.add_(g)
+def _last_layer_batch(layer: LaplaceLayer, feats: torch.Tensor, probs: torch.Tensor,
+                      logit_std: float | None = None) -> None:
+    """Add a batch's curvature to ``layer``'s buffers: the softmax GGN, or with ``logit_std``
+    the feature curvature ``Σ I ⊗ ã ãᵀ / logit_std²``."""
+    if logit_std is not None:
+        parts = curv.features_curvature(feats, layer.base_layer.out_features, layer.structure,
+                                        layer.has_bias, 1.0 / logit_std**2)
+    elif layer.structure == "kron":
+        parts = curv.kron_factors(feats, probs)
     elif layer.structure == "diag":
-        layer.ggn_diag.add_(curv.last_layer_diag(feats, probs, layer.has_bias))
+        parts = (curv.last_layer_diag(feats, probs, layer.has_bias),)
     else:
-        layer.ggn_full.add_(curv.last_layer_full(feats, probs))
-
-
-def _features_batch(layer: LaplaceLayer, feats: torch.Tensor, logit_std: float) -> None:
-    """``curvature='features'``: the batch's ``Σ s·I ⊗ ã ãᵀ`` (s = 1/logit_std²)."""
-    classes = layer.base_layer.out_features
-    parts = curv.features_curvature(feats, classes, layer.structure, layer.has_bias,
-                                    1.0 / logit_std**2)
-    if layer.structure == "kron":
-        layer.kron_input.add_(parts[0])
-        layer.kron_output.add_(parts[1])
-    elif layer.structure == "diag":
-        layer.ggn_diag.add_(parts[0])
-    else:
-        layer.ggn_full.add_(parts[0])
+        parts = (curv.last_layer_full(feats, probs),)
+    buffers = {"kron": ("kron_input", "kron_output"), "diag": ("ggn_diag",),
+               "full": ("ggn_full",)}[layer.structure]
+    for name, part in zip(buffers, parts, strict=True):
+        getattr(layer, name).add_(part)
