@@ -154,6 +154,28 @@ def test_mixture_of_probits_and_broader_off_the_data() -> None:
     assert (var_far.mean() > 10 * var.mean()).item()
 
 
+def test_the_heads_spread_is_epistemic_and_grows_off_the_data() -> None:
+    """The within-member (Laplace) spread counts as epistemic beside the spread between
+    members: the MI is at least the members' own, grows off the data, and is the family's
+    own MI when the covariance vanishes (τ → ∞)."""
+    from bayesify.core.prediction import Prediction
+
+    bnn = _fitted(components=3)
+    bnn.state.set("member_temperature", 1.0)
+    bnn.eval()
+    x, _ = _data(16, 5)
+    heads.set_prior_precision(bnn, 0.1)
+    near, far = bnn.predictive(x), bnn.predictive(30 * x)
+    between = Prediction(near.member_logits).epistemic  # the members' probits alone
+    assert (near.epistemic >= between - 1e-6).all()
+    assert far.epistemic.mean() > 2 * near.epistemic.mean()
+    assert far.epistemic.mean() > 2 * Prediction(far.member_logits).epistemic.mean()
+    heads.set_prior_precision(bnn, 1e12)
+    own = bnn.method.predictive(bnn, x, samples_per_component=bnn.posterior_config.default_samples(),
+                                max_rows=4096, seed=0)
+    torch.testing.assert_close(bnn.predictive(x).epistemic, own.epistemic, atol=1e-5, rtol=0)
+
+
 def test_fit_with_validation_searches_tau() -> None:
     """fit(val_loader=...) fits the heads after the family and chooses τ on the grid."""
     bnn = _fitted(val=True)

@@ -98,6 +98,49 @@ def test_decomposition_after_tempering_splits_the_tempered_entropy_in_posterior_
     assert temper(pred.log_probs, 1.0) is pred.log_probs
 
 
+def test_members_with_a_spread_of_their_own_count_it_as_epistemic():
+    """A mixture of Gaussians over the logits (member-wise Laplace heads): the members are
+    their probits, ``member_aleatoric`` the expected entropy over their fixed draws. One
+    member is exactly the Gaussian predictive's decomposition; zero spread is the plain
+    members'; the parts sum to the entropy at any temperature; rows / cat / to keep it."""
+    from bayesify.core.prediction import gaussian_expected_entropy, gaussian_noise
+
+    g = torch.Generator().manual_seed(3)
+    m, b, c = 3, 9, 5
+    mean, var = 2 * torch.randn(m, b, c, generator=g), torch.rand(m, b, c, generator=g) * 4
+    probits = torch.log_softmax(mean / torch.sqrt(1 + math.pi / 8 * var), -1)
+    spread = gaussian_expected_entropy(mean, var)
+    z = gaussian_noise(c)  # brute force: every member's draws, every entropy
+    draws = (mean.unsqueeze(1) + var.sqrt().unsqueeze(1) * z.unsqueeze(0)).softmax(-1)
+    brute = -(draws.double() * draws.double().log()).sum(-1).mean((0, 1))
+    torch.testing.assert_close(spread.double(), brute, atol=1e-5, rtol=0)
+    one = Prediction(probits[:1], member_aleatoric=gaussian_expected_entropy(mean[:1], var[:1]))
+    gaussian = Prediction(mean=mean[0], variance=var[0], link="probit")
+    for t in (1.0, 0.3):
+        for part in ("entropy", "aleatoric", "epistemic"):
+            torch.testing.assert_close(getattr(one.scaled(t), part),
+                                       getattr(gaussian.scaled(t), part), atol=1e-5, rtol=0)
+    still = Prediction(mean, member_aleatoric=gaussian_expected_entropy(mean, torch.zeros_like(var)))
+    torch.testing.assert_close(still.epistemic, Prediction(mean).epistemic, atol=1e-5, rtol=0)
+    pred = Prediction(probits, member_aleatoric=spread)
+    plain = Prediction(probits)  # the spread counted as aleatoric (before)
+    assert (pred.epistemic >= plain.epistemic - 1e-6).all()
+    assert (pred.epistemic > plain.epistemic + 1e-3).any()
+    for t in (0.2, 1.0, 2.0):
+        q = pred.scaled(t)
+        torch.testing.assert_close(q.aleatoric + q.epistemic, q.entropy, atol=1e-5, rtol=0)
+    tempered = pred.scaled(0.4)
+    torch.testing.assert_close(tempered.rows(slice(2, 5)).epistemic, tempered.epistemic[2:5])
+    torch.testing.assert_close(Prediction.cat([tempered.rows(slice(0, 4)),
+                                               tempered.rows(slice(4, 9))]).epistemic,
+                               tempered.epistemic)
+    torch.testing.assert_close(tempered.to("cpu").epistemic, tempered.epistemic)
+    with pytest.raises(ValueError, match="member_aleatoric"):
+        Prediction(probits, member_aleatoric=spread[:3])
+    with pytest.raises(ValueError, match="all carry member_aleatoric"):
+        Prediction.cat([pred, plain])
+
+
 def test_the_search_grid_sharpens_and_softens():
     assert min(TEMPERATURES) == pytest.approx(0.05) and max(TEMPERATURES) == pytest.approx(16.0)
     assert 1.0 in TEMPERATURES and len(set(TEMPERATURES)) == len(TEMPERATURES)

@@ -46,6 +46,18 @@ def decomposition(tempered_total: torch.Tensor, total: torch.Tensor,
     return (tempered_total - epistemic).clamp_min(0), epistemic
 
 
+def gaussian_expected_entropy(mean: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
+    """``[B]`` expected entropy ``E_m E_z H(softmax(f_m + √v_m · z))`` of a mixture of
+    Gaussians over the logits (``mean`` / ``variance [M, B, C]``), over the fixed draws of
+    :func:`gaussian_noise` — the aleatoric part of a mixture whose members carry a posterior
+    spread of their own (member-wise Laplace heads). One member at a time in memory."""
+    z = gaussian_noise(mean.shape[-1]).to(mean.device)  # [S, 1, C]
+    total = torch.zeros(mean.shape[1], dtype=torch.float32, device=mean.device)
+    for m, v in zip(mean.float(), variance.float()):
+        total += metrics.expected_entropy((m + v.clamp_min(0).sqrt() * z).softmax(-1))
+    return total / mean.shape[0]
+
+
 def gaussian_log_probs(mean: torch.Tensor, variance: torch.Tensor, link: str, *,
                        rowsum: torch.Tensor | None = None,
                        total: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,7 +84,11 @@ class Prediction:
     which also reads ``rowsum [B, C]`` (Σ_f 1) and ``total [B]`` (1ᵀ Σ_f 1). For the
     Gaussian case ``member_logits`` are ``GAUSSIAN_SAMPLES`` fixed-seed draws from
     ``N(mean, diag variance)``: the aleatoric part is their expected entropy, and
-    the epistemic part the total entropy of the link minus it (≥ 0).
+    the epistemic part the total entropy of the link minus it (≥ 0). A members prediction
+    whose members carry a posterior spread of their own (each a Gaussian over the logits
+    through its link: member-wise Laplace heads) passes that spread's expected entropy as
+    ``member_aleatoric [B]`` (:func:`gaussian_expected_entropy`), so the within-member
+    spread counts as epistemic, as the Gaussian case's does.
     **Temperature** (:meth:`scaled`): one temperature on the *predictive's
     log-probabilities*, ``p_T = softmax(log p̄ / T)`` (:func:`temper`), for every family —
     ``log p̄`` is the member mixture or the link's output. The members (``member_logits``,
@@ -89,14 +105,19 @@ class Prediction:
     rowsum: torch.Tensor | None = None
     total: torch.Tensor | None = None
     temperature: float | torch.Tensor = 1.0
+    member_aleatoric: torch.Tensor | None = None
 
     def __init__(self, member_logits: torch.Tensor | None = None, *,
                  mean: torch.Tensor | None = None, variance: torch.Tensor | None = None,
                  link: str | None = None, rowsum: torch.Tensor | None = None,
                  total: torch.Tensor | None = None,
-                 temperature: float | torch.Tensor = 1.0) -> None:
+                 temperature: float | torch.Tensor = 1.0,
+                 member_aleatoric: torch.Tensor | None = None) -> None:
         if (member_logits is None) == (mean is None):
             raise ValueError("a Prediction holds member_logits or (mean, variance), exactly one")
+        if member_aleatoric is not None and (
+                member_logits is None or member_aleatoric.shape != member_logits.shape[1:2]):
+            raise ValueError("member_aleatoric [B] belongs to a members Prediction [M, B, C]")
         if mean is not None and (variance is None or variance.shape != mean.shape):
             raise ValueError("a Gaussian Prediction needs variance [B, C] shaped like mean")
         link = link or ("members" if member_logits is not None else "probit")
@@ -104,7 +125,8 @@ class Prediction:
             raise ValueError("the 'bridge' link needs rowsum and total")
         for name, value in (("member_logits_", member_logits), ("mean", mean),
                             ("variance", variance), ("link", link), ("rowsum", rowsum),
-                            ("total", total), ("temperature", temperature)):
+                            ("total", total), ("temperature", temperature),
+                            ("member_aleatoric", member_aleatoric)):
             object.__setattr__(self, name, value)
 
     @property
@@ -139,7 +161,8 @@ class Prediction:
                   "rowsum": self.rowsum, "total": self.total, "temperature": self.temperature}
         fields.update(changes)
         if not self.is_gaussian:
-            return Prediction(self.member_logits_, temperature=fields["temperature"])
+            return Prediction(self.member_logits_, temperature=fields["temperature"],
+                              member_aleatoric=self.member_aleatoric)
         return Prediction(**fields)
 
     @cached_property
@@ -183,7 +206,8 @@ class Prediction:
     @cached_property
     def _split(self) -> tuple[torch.Tensor, torch.Tensor]:
         raw_total = metrics.entropy(self.raw_log_probs.exp())
-        raw_aleatoric = metrics.expected_entropy(self.member_probs)
+        raw_aleatoric = (self.member_aleatoric if self.member_aleatoric is not None
+                         else metrics.expected_entropy(self.member_probs))
         if not isinstance(self.temperature, torch.Tensor) and float(self.temperature) == 1.0:
             return raw_aleatoric, (raw_total - raw_aleatoric).clamp_min(0)
         return decomposition(self.entropy, raw_total, raw_aleatoric)
@@ -223,8 +247,13 @@ class Prediction:
         if any(float(p.temperature) != float(first.temperature) for p in parts):
             raise ValueError("Prediction.cat needs parts at one temperature")
         if not first.is_gaussian:
+            spread = [p.member_aleatoric for p in parts]
+            if any(a is None for a in spread) and any(a is not None for a in spread):
+                raise ValueError("Prediction.cat needs parts that all carry member_aleatoric "
+                                 "or none")
             return Prediction(torch.cat([p.member_logits_ for p in parts], dim=1),
-                              temperature=first.temperature)
+                              temperature=first.temperature,
+                              member_aleatoric=None if spread[0] is None else torch.cat(spread))
         def cat(name: str) -> torch.Tensor | None:
             values = [getattr(p, name) for p in parts]
             return None if values[0] is None else torch.cat(values)
@@ -235,7 +264,9 @@ class Prediction:
     def rows(self, index: torch.Tensor | slice) -> Prediction:
         """The predictions of the examples ``index`` (along B)."""
         if not self.is_gaussian:
-            return Prediction(self.member_logits_[:, index], temperature=self.temperature)
+            spread = self.member_aleatoric
+            return Prediction(self.member_logits_[:, index], temperature=self.temperature,
+                              member_aleatoric=None if spread is None else spread[index])
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[index]
         return self._with(mean=pick(self.mean), variance=pick(self.variance),
@@ -243,7 +274,9 @@ class Prediction:
 
     def to(self, device: torch.device | str) -> Prediction:
         if not self.is_gaussian:
-            return Prediction(self.member_logits_.to(device), temperature=self.temperature)
+            spread = self.member_aleatoric
+            return Prediction(self.member_logits_.to(device), temperature=self.temperature,
+                              member_aleatoric=None if spread is None else spread.to(device))
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
         return self._with(mean=move(self.mean), variance=move(self.variance),

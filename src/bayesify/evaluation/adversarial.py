@@ -124,8 +124,8 @@ def fgsm_sweep(
         direction = input_gradient(predictor, x, y).sign()
         for eps, acc in sums.items():
             with torch.no_grad():
-                pred = Prediction(predictor.member_logits(
-                    _perturb(x, direction, eps, clamp))).scaled(predictor.temperature)
+                pred = predictor.predict(
+                    _perturb(x, direction, eps, clamp)).scaled(predictor.temperature)
             acc["correct"] += (pred.argmax() == y).float().sum().item()
             acc["nll"] += metrics.per_example_nll(pred.log_probs, y).sum().item()
             acc["entropy"] += pred.entropy.sum().item()

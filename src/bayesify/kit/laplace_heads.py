@@ -33,9 +33,12 @@ that is 134 MB of ``A`` instead of 672 MB), and any number of samples per compon
 be predicted with.
 
 The result is a members :class:`~bayesify.core.prediction.Prediction` whose "member
-logits" are the members' probit log-probabilities: the mixture is exact; the
-decomposition counts the within-member (Laplace) spread as aleatoric and the spread
-between members as epistemic.
+logits" are the members' probit log-probabilities (the mixture is exact) and whose
+``member_aleatoric`` is the expected entropy over each member's Gaussian
+(:func:`~bayesify.core.prediction.gaussian_expected_entropy`): the decomposition counts
+the within-member (Laplace) spread as epistemic, beside the spread between members — both
+are posterior uncertainty. (Until the fifteenth stop the within-member spread counted as
+aleatoric, and the MI's OOD AUROC fell when the heads became broad.)
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from bayesify.core.fitting import FitContext, Knob
 from bayesify.core.locks import model_lock
 from bayesify.core.names import BASE_LAYER, base_name
 from bayesify.core.outputs import logits_of
-from bayesify.core.prediction import Prediction
+from bayesify.core.prediction import Prediction, gaussian_expected_entropy
 from bayesify.core.selection import log_grid, prior_is_negligible
 from bayesify.core.state import derived
 from bayesify.core.walker import find_classifier
@@ -453,7 +456,9 @@ def heads_predictive(bnn: BayesianModel, x: Any, *, samples_per_component: int, 
             f"prediction has {feats.shape[0]} members, not a whole number per component")
     var = functional_variance(posterior, feats, bnn.state.get_buffer(_TAU))
     mean, scale = _member_scale(bnn, logits.double())
-    return Prediction(_probits(mean, var * scale).float())
+    var = var * scale
+    return Prediction(_probits(mean, var).float(),
+                      member_aleatoric=gaussian_expected_entropy(mean, var))
 
 
 def predictive_if_fitted(bnn: BayesianModel, x: Any, **kwargs: Any) -> Prediction | None:

@@ -12,16 +12,17 @@ chosen τ into buffers (no eigendecomposition in the graph)::
     ã = [φ, 1],  s = (Q_Aᵀ ã)² · 1/(λ_G λ_Aᵀ/N + τ),  diag Σ_f = s · (Q_G²)ᵀ   (KFAC)
     u = Qᵀ (I ⊗ ã),  diag Σ_f = Σ_p u_p² / (λ_p + τ)                           (full GGN)
     (per member, in its component's posterior)
-    member m: log softmax(f_m/t / sqrt(1 + π/8 · diag Σ_f / t²))
+    member m: N(f_m/t, diag Σ_f / t²)
 
-(``t``: the family's member temperature, 1 where it has none) — the members' probit
-log-probabilities, which the exported predictor mixes and tempers exactly as in process.
+(``t``: the family's member temperature, 1 where it has none) — the members' Gaussians,
+whose probits the exported predictor mixes and tempers exactly as in process, with the
+aleatoric part over the same fixed draws
+(:func:`~bayesify.core.prediction.gaussian_expected_entropy`).
 The export pipeline's own check compares the file with the in-process predictive.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,7 +52,12 @@ class LogitsAndFeatures(nn.Module):
 
 
 class HeadsMembers(nn.Module):
-    """``x → [M, B, C]``: every member's probit log-probabilities (see the module docstring)."""
+    """``x → [2, M, B, C]``: every member's Gaussian over the logits, ``(f_m/t, diag Σ_f,m/t²)``
+    (see the module docstring); :attr:`gaussian_members` names their link."""
+
+    #: the output is a mixture of Gaussians over the logits with this link (the exported
+    #: predictor mixes their probits and takes the aleatoric part over their draws)
+    gaussian_members = "probit"
 
     def __init__(self, members: nn.Module, *, num_classes: int, tensors: dict[str, torch.Tensor],
                  member_temperature: float) -> None:
@@ -74,8 +80,7 @@ class HeadsMembers(nn.Module):
             s = (feats.reshape(k, -1, d) @ self.q_a).square() @ self.inv_eig.transpose(1, 2)
             var = (s @ self.q_g_sq.transpose(1, 2)).reshape(logits.shape)  # [M, B, C]
         t = self.member_temperature
-        mean, var = logits.to(var.dtype) / t, var / (t * t)
-        return torch.log_softmax(mean / torch.sqrt(1.0 + math.pi / 8.0 * var), dim=-1).float()
+        return torch.stack([logits.to(var.dtype) / t, var / (t * t)]).float()
 
 
 def export_heads(bnn: BayesianModel, *, samples_per_component: int, seed: int,

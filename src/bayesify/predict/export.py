@@ -82,16 +82,18 @@ DROPOUT_OPS = ("dropout", "native_dropout", "feature_dropout", "alpha_dropout",
                "feature_alpha_dropout")
 
 
-def _tempered_outputs(log_probs: torch.Tensor, member_probs: torch.Tensor,
+def _entropy(probs: torch.Tensor) -> torch.Tensor:
+    return -(probs * probs.clamp_min(EPS).log()).sum(-1)
+
+
+def _tempered_outputs(log_probs: torch.Tensor, aleatoric: torch.Tensor,
                       temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(probs, epistemic)`` from the untempered ``log p̄ [B, C]`` and the members
-    ``[M, B, C]``: the graph form of :class:`~bayesify.core.prediction.Prediction`'s
+    """``(probs, epistemic)`` from the untempered ``log p̄ [B, C]`` and the untempered
+    aleatoric part ``[B]``: the graph form of :class:`~bayesify.core.prediction.Prediction`'s
     ``probs`` and ``epistemic`` at ``temperature`` (``temper`` and ``decomposition``)."""
-    raw = log_probs.exp()
     probs = torch.softmax(log_probs / temperature, dim=-1)
-    raw_total = -(raw * raw.clamp_min(EPS).log()).sum(-1)
-    aleatoric = -(member_probs * member_probs.clamp_min(EPS).log()).sum(-1).mean(0)
-    total = -(probs * probs.clamp_min(EPS).log()).sum(-1)
+    raw_total = _entropy(log_probs.exp())
+    total = _entropy(probs)
     mi = torch.minimum((raw_total - aleatoric).clamp_min(0), raw_total)
     ratio = torch.where(raw_total > 0, total / raw_total.clamp_min(1e-30),
                         torch.zeros_like(raw_total))
@@ -116,7 +118,8 @@ class ExportedPredictor(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         member_log_probs = self.members(*args, **kwargs).float().log_softmax(-1)
         log_probs = torch.logsumexp(member_log_probs, dim=0) - self.log_members
-        return _tempered_outputs(log_probs, member_log_probs.exp(), self.temperature)
+        aleatoric = _entropy(member_log_probs.exp()).mean(0)
+        return _tempered_outputs(log_probs, aleatoric, self.temperature)
 
 
 class GaussianExportedPredictor(nn.Module):
@@ -143,7 +146,36 @@ class GaussianExportedPredictor(nn.Module):
         log_probs = gaussian_log_probs(mean, var, self.link, rowsum=rowsum,
                                        total=rowsum.sum(-1))
         member_probs = (mean + var.clamp_min(0).sqrt() * self.noise).softmax(-1)  # [S, B, C]
-        return _tempered_outputs(log_probs, member_probs, self.temperature)
+        return _tempered_outputs(log_probs, _entropy(member_probs).mean(0), self.temperature)
+
+
+class GaussianMembersExportedPredictor(nn.Module):
+    """``inputs → (probs [B, C], epistemic [B])`` of a mixture of Gaussians over the logits
+    (member-wise Laplace heads): ``members(inputs) → [2, M, B, C]`` = (means, diag Σ_f). Same
+    arithmetic as in process: ``log p̄`` the mixture of the members' probits, the aleatoric
+    part the expected entropy over the fixed draws ``z [S, 1, C]`` of every member
+    (:func:`~bayesify.core.prediction.gaussian_expected_entropy`; one member at a time)."""
+
+    def __init__(self, members: nn.Module, temperature: float, num_members: int,
+                 num_classes: int) -> None:
+        super().__init__()
+        from bayesify.core.prediction import gaussian_noise
+
+        self.members = members
+        self.register_buffer("temperature", torch.tensor(float(temperature)))
+        self.register_buffer("noise", gaussian_noise(num_classes))
+        self.num_members = int(num_members)
+        self.log_members = math.log(num_members)
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        from bayesify.core.prediction import gaussian_log_probs
+
+        mean, var = self.members(*args, **kwargs).float().unbind(0)  # [M, B, C] each
+        member_log_probs = gaussian_log_probs(mean, var, self.members.gaussian_members)
+        log_probs = torch.logsumexp(member_log_probs, dim=0) - self.log_members
+        aleatoric = sum(_entropy((mean[m] + var[m].clamp_min(0).sqrt() * self.noise)
+                                 .softmax(-1)).mean(0) for m in range(self.num_members))
+        return _tempered_outputs(log_probs, aleatoric / self.num_members, self.temperature)
 
 
 def build_exported_predictor(predictor: BasePredictor, example_input: Any) -> nn.Module:
@@ -161,6 +193,9 @@ def build_exported_predictor(predictor: BasePredictor, example_input: Any) -> nn
     if link is not None:
         return GaussianExportedPredictor(members, predictor.temperature, link,
                                          out.shape[-1]).eval()
+    if getattr(members, "gaussian_members", None) is not None:
+        return GaussianMembersExportedPredictor(members, predictor.temperature, out.shape[1],
+                                                out.shape[-1]).eval()
     return ExportedPredictor(members, predictor.temperature, out.shape[0]).eval()
 
 

@@ -114,6 +114,9 @@ class MixtureMembers(nn.Module):
             if link is not None:
                 mean, var, rowsum = raw.unbind(0)
                 log_p = gaussian_log_probs(mean, var, link, rowsum=rowsum, total=rowsum.sum(-1))
+            elif getattr(part, "gaussian_members", None) is not None:  # [2, M, B, C]
+                member_log_p = gaussian_log_probs(raw[0], raw[1], part.gaussian_members)
+                log_p = torch.logsumexp(member_log_p, 0) - math.log(raw.shape[1])
             else:
                 log_p = torch.logsumexp(torch.log_softmax(raw, -1), 0) - math.log(raw.shape[0])
             out.append(torch.log_softmax(log_p / self.temperatures[k], -1))
