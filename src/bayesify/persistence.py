@@ -418,7 +418,8 @@ def _load_posterior(base_model: nn.Module, directory: str | os.PathLike, *, outp
     check_architecture(manifest, base_model, directory / MANIFEST_FILE)
     method = manifest["method"]
     try:
-        config = get_method_class(method).config_cls.from_kwargs(method, dict(manifest["config"]))
+        config_cls = get_method_class(method).config_cls
+        config = config_cls.from_kwargs(method, config_cls.saved_defaults(dict(manifest["config"])))
     except (BayesifyError, TypeError) as err:
         raise BayesifyError(f"{directory / MANIFEST_FILE}: its config is not valid ({err})") from err
     spec = _output_fn_to_load(manifest, output_fn, directory / MANIFEST_FILE)

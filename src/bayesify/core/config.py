@@ -95,6 +95,13 @@ class MethodConfig:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
     @classmethod
+    def saved_defaults(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The options of a saved config (a manifest's), with what an option added since
+        meant before it existed (overridden where a family added one that changes the
+        posterior's tensors)."""
+        return kwargs
+
+    @classmethod
     def from_kwargs(cls, method: str, kwargs: dict[str, Any]) -> MethodConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)

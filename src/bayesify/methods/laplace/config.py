@@ -47,6 +47,10 @@ class LaplaceConfig(MethodConfig):
         "or 'auto': 'features' when a val_loader chooses τ, else 'ggn'."
     )
     logit_std: float = option(10.0, "Std of curvature='features''s likelihood on the logits.")
+    feature_layers: Any = option(
+        "auto", "With curvature='features': normalisation layers whose pooled, standardised "
+        "outputs join the variance as zero-weight connections to the logits (a distance from "
+        "the training data at earlier depths too); 'auto': 4 evenly spaced, None: off.")
     prior_precision: float = option(1.0, "τ: initial (or, with prior_method='fixed', final) prior precision.")
     prior_method: str = option(
         "auto", "How τ is chosen: 'auto' ('val_nll' when fit gets a val_loader, else "
@@ -92,6 +96,13 @@ class LaplaceConfig(MethodConfig):
         2**24, "Bound on B·C·P elements of one chunk of per-example Jacobians (subnetwork)."
     )
 
+    @classmethod
+    def saved_defaults(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A config saved before ``feature_layers`` existed had none (its posterior holds no
+        feature-layer sums)."""
+        kwargs.setdefault("feature_layers", None)
+        return kwargs
+
     def default_samples(self) -> int:
         """Members of the default predictor: the MC samples of ``link='mc'``, else 1 (the
         probit / bridge predictive is one Gaussian over the logits)."""
@@ -105,6 +116,11 @@ class LaplaceConfig(MethodConfig):
         require(self.curvature in CURVATURES,
                 f"curvature must be one of {CURVATURES}, got {self.curvature!r}")
         require(self.logit_std > 0, f"logit_std must be > 0, got {self.logit_std}")
+        layers = self.feature_layers
+        require(layers is None or layers == "auto" or (
+            isinstance(layers, (list, tuple)) and all(isinstance(n, str) and n for n in layers)),
+            "feature_layers must be 'auto', None or a list of module names (normalisation "
+            f"layers), got {layers!r}")
         require(self.link in LINKS, f"link must be one of {LINKS}, got {self.link!r}")
         require(self.prior_method in PRIOR_METHODS,
                 f"prior_method must be one of {PRIOR_METHODS}, got {self.prior_method!r}")

@@ -33,7 +33,7 @@ from bayesify.core.walker import replace_modules
 from bayesify.errors import BayesifyError
 from bayesify.kit.stacked import StackedModels
 from bayesify.methods.laplace import posterior as post
-from bayesify.methods.laplace import state
+from bayesify.methods.laplace import state, trunk
 from bayesify.methods.laplace.config import LaplaceConfig
 from bayesify.methods.laplace.curvature import augmented_features
 
@@ -58,24 +58,42 @@ class FeatureTap(nn.Module):
         return self.linear(a)
 
 
-def _unwrapped_with_tap(bnn: BayesianModel, name: str) -> tuple[nn.Module, FeatureTap]:
+class PooledTap(nn.Module):
+    """Stands in for a feature layer (:mod:`bayesify.methods.laplace.trunk`): its output,
+    kept for :class:`LastLayerLaplace` to pool (as :class:`FeatureTap` keeps ``a``)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.output: Any = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.output = self.norm(*args, **kwargs)
+        return self.output
+
+
+def _unwrapped_with_tap(bnn: BayesianModel, name: str,
+                        feature_layers: list[str]) -> tuple[nn.Module, FeatureTap, list[PooledTap]]:
     net = bnn.unwrap().eval()
     linear = net.get_submodule(name) if name else net
     tap = FeatureTap(linear)
+    pools = [PooledTap(net.get_submodule(n)) for n in feature_layers]
     if not name:
-        return tap, tap
-    replace_modules(net, {name: tap})
-    return net, tap
+        return tap, tap, pools
+    replace_modules(net, {name: tap, **dict(zip(feature_layers, pools, strict=True))})
+    return net, tap, pools
 
 
 class LastLayerLaplace(nn.Module):
     """``x → [M, B, C]`` of the last-layer Laplace predictive (see the module docstring)."""
 
     def __init__(self, model: nn.Module, tap: FeatureTap, *, has_bias: bool, link: str,
-                 structure: str, dtype: torch.dtype, tensors: dict[str, torch.Tensor]) -> None:
+                 structure: str, dtype: torch.dtype, tensors: dict[str, torch.Tensor],
+                 pools: list[PooledTap] | None = None) -> None:
         super().__init__()
         self.model = model
         object.__setattr__(self, "tap", tap)  # already a submodule of model
+        object.__setattr__(self, "pools", list(pools or []))  # so are these
         self.has_bias, self.link, self.structure, self.dtype = has_bias, link, structure, dtype
         for key, value in tensors.items():
             self.register_buffer(key, value.detach().clone())
@@ -100,9 +118,23 @@ class LastLayerLaplace(nn.Module):
         if self.link == "mc":
             return torch.einsum("bd,scd->sbc", feats, self.weight_samples)
         diag, rowsum, _ = self.functional_variance(feats)
+        if self.pools:  # the feature layers' v(x), the same for every class
+            psi = torch.cat([self._pooled(p, a) for p in self.pools], dim=1)
+            v = ((((psi - self.trunk_mu) * self.trunk_scale) @ self.trunk_q).square()
+                 @ self.trunk_inv_eig).unsqueeze(-1).to(diag)
+            diag, rowsum = diag + v, rowsum + v
         # the Gaussian over the logits: [3, B, C] = (mean, diag Σ_f, Σ_f 1); the link and
         # the uncertainty decomposition are applied by the exported predictor
         return torch.stack([logits.float(), diag.float(), rowsum.float()])
+
+    def _pooled(self, pool: PooledTap, a: torch.Tensor) -> torch.Tensor:
+        """As in process: the pooled ``[B, d]``, zeros where the layer gave no such output."""
+        out, pool.output = pool.output, None
+        got = trunk.pooled(pool.norm, out, a.shape[0])
+        if got is None:
+            return torch.zeros(a.shape[0], trunk.width(pool.norm), dtype=self.trunk_mu.dtype,
+                               device=a.device)
+        return got.to(self.trunk_mu.dtype)
 
     @property
     def gaussian_link(self) -> str | None:
@@ -138,12 +170,16 @@ def export_laplace(bnn: BayesianModel, config: LaplaceConfig, *, samples_per_com
         name, layer = next(iter(state.layers(bnn).items()))
         posterior = state.posterior(bnn, config)
         tau = state.prior_precision(bnn, config).detach()
-        model, tap = _unwrapped_with_tap(bnn, name)
+        view = state.trunk_posterior(bnn, config)
+        feature_layers = list(config.feature_layers) if view is not None else []
+        model, tap, pools = _unwrapped_with_tap(bnn, name, feature_layers)
         tensors = _last_layer_tensors(posterior, layer.structure, config.link, tau,
                                       samples=samples_per_component, seed=seed)
+        if view is not None:
+            tensors.update(view.export_tensors(tau))
         return LastLayerLaplace(model, tap, has_bias=layer.has_bias, link=config.link,
                                 structure=layer.structure, dtype=posterior.mean.dtype,
-                                tensors=tensors).eval()
+                                tensors=tensors, pools=pools).eval()
     raise BayesifyError(
         "method 'laplace' with a subnetwork (diagonal) posterior cannot be exported: its "
         "predictive needs per-example Jacobians (torch.func vmap/jacrev), which "

@@ -87,7 +87,8 @@ class LaplaceLayer(BayesianLayer):
         return torch.cat([p.reshape(-1) for p in self.base_layer.parameters()])
 
     def reset_curvature(self) -> None:
-        for name in ("kron_input", "kron_output", "ggn_full", "ggn_diag", "n_data"):
+        for name in ("kron_input", "kron_output", "ggn_full", "ggn_diag", "n_data",
+                     "trunk_sum", "trunk_outer", "trunk_head_sq", "trunk_count"):
             if hasattr(self, name):
                 getattr(self, name).zero_()
 

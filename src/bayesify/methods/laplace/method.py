@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -36,7 +37,7 @@ from bayesify.core.selection import log_grid, prior_is_negligible
 from bayesify.errors import BayesifyError
 from bayesify.methods.laplace import curvature as curv
 from bayesify.methods.laplace import posterior as post
-from bayesify.methods.laplace import state
+from bayesify.methods.laplace import state, trunk
 from bayesify.methods.laplace.config import AUTO_FULL_PARAMS, LaplaceConfig, auto_structure
 from bayesify.methods.laplace.export import export_laplace
 from bayesify.methods.laplace.layers import LaplaceLayer
@@ -85,7 +86,33 @@ class LaplaceMethod(Method):
                 f"classifier, targets='last_layer'); got {list(targets)[:5]}. Use "
                 "structure='diag' for a subnetwork"
             )
-        return wrap_targets(self, model, targets, context)
+        names = self._feature_layers(model, targets[0] if single_linear else None)
+        widths = trunk.check_layers(model, names)
+        wrapped = wrap_targets(self, model, targets, context)
+        if names:
+            trunk.register_buffers(wrapped[targets[0]], sum(widths))
+        return wrapped
+
+    def _feature_layers(self, model: nn.Module, classifier: str | None) -> list[str]:
+        """``feature_layers`` resolved (the config then holds the names, so a saved posterior
+        names them): none for a subnetwork, the MC link or the softmax GGN (the feature
+        layers' posterior is the feature curvature's)."""
+        cfg = self.config
+        names = cfg.feature_layers
+        if names is None or classifier is None or cfg.link == "mc" or cfg.curvature == "ggn":
+            if isinstance(names, (list, tuple)) and names:
+                raise BayesifyError(
+                    f"method 'laplace': feature_layers={list(names)} needs a last-layer "
+                    "posterior (targets='last_layer') with curvature 'features' or 'auto' and "
+                    f"the probit or bridge link (got link={cfg.link!r}, curvature="
+                    f"{cfg.curvature!r}); pass feature_layers=None")
+            names = []
+        elif names == "auto":
+            names = trunk.auto_layers(model, classifier)
+            logger.info("laplace: feature_layers='auto' → %s", names or "none (no "
+                        "normalisation layers outside the classifier)")
+        self.config = dataclasses.replace(self.config, feature_layers=tuple(names))
+        return list(names)
 
     def prepare(self, bnn: BayesianModel) -> None:
         state.register(bnn)
@@ -117,12 +144,17 @@ class LaplaceMethod(Method):
         """``[B, C]`` log p̄ (T = 1) of the last-layer GLM predictive at every τ from one
         forward (the features do not depend on τ): what setting each τ and predicting gives."""
         with model_lock(bnn):
-            logits, feats = self._last_layer_features(bnn, x)
+            logits, feats, psi = self._last_layer_features(bnn, x)
         posterior = self.posterior(bnn)
         values = [torch.as_tensor(tau, dtype=feats.dtype, device=feats.device) for tau in taus]
         many = getattr(posterior, "functional_variances", None)  # one projection for all τ
         variances = (many(feats, values) if many is not None
                      else [posterior.functional_variance(feats, tau) for tau in values])
+        view = state.trunk_posterior(bnn, self.config)
+        if view is not None:
+            projected = view.projections(psi)
+            variances = [trunk.add_variance(fvar, projected @ (1.0 / (view.eig + tau)))
+                         for fvar, tau in zip(variances, values, strict=True)]
         return [Prediction(mean=logits.float(), variance=diag.float(), link=self.config.link,
                            rowsum=rowsum.float(), total=total.float()).raw_log_probs
                 for diag, rowsum, total in variances]
@@ -177,7 +209,7 @@ class LaplaceMethod(Method):
         layers = state.layers(bnn)
         tau = self.prior_precision(bnn)
         if state.last_layer(bnn):
-            _, feats = self._last_layer_features(bnn, x)
+            _, feats, _ = self._last_layer_features(bnn, x)
             return _mc_last_layer(posterior, feats, tau, samples_per_component, max_rows, seed)
         params = curv.subnetwork_parameters(bnn.model, state.param_names(layers))
         pieces = []
@@ -187,13 +219,19 @@ class LaplaceMethod(Method):
                                          samples_per_component, seed))
         return torch.cat(pieces, dim=1)
 
-    def _last_layer_features(self, bnn: BayesianModel, x: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """MAP logits ``[B, C]`` and the augmented features ã ``[B, D']`` of the classifier."""
+    def _last_layer_features(self, bnn: BayesianModel, x: Any) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """MAP logits ``[B, C]``, the augmented features ã ``[B, D']`` of the classifier and,
+        where their posterior was fitted, the feature layers' pooled outputs ``ψ [B, Σd]``."""
         layer = state.first(state.layers(bnn))
-        with state.capturing(layer):
+        dtype = self.posterior(bnn).mean.dtype
+        view = state.trunk_posterior(bnn, self.config)
+        taps = trunk.Taps(bnn.model, list(self.config.feature_layers)) if view else None
+        with state.capturing(layer), taps.installed() if taps else nullcontext():
             logits = logits_of(call_model(bnn.model, x))
             feats = curv.augmented_features(layer.captured[0], layer.has_bias)
-        return logits, feats.to(self.posterior(bnn).mean.dtype)
+            psi = taps.features(logits.shape[0], torch.float64, logits.device)[0] if taps else None
+        return logits, feats.to(dtype), psi
 
     def _moments(self, bnn: BayesianModel, x: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """MAP logits ``[B, C]`` and the functional variance ``(diag, rowsum, total)``."""
@@ -201,8 +239,12 @@ class LaplaceMethod(Method):
         layers = state.layers(bnn)
         tau = self.prior_precision(bnn)
         if state.last_layer(bnn):
-            logits, feats = self._last_layer_features(bnn, x)
-            return logits, posterior.functional_variance(feats, tau)
+            logits, feats, psi = self._last_layer_features(bnn, x)
+            fvar = posterior.functional_variance(feats, tau)
+            view = state.trunk_posterior(bnn, self.config)
+            if view is not None:
+                fvar = trunk.add_variance(fvar, view.variance(psi, tau.reshape(-1)[0]))
+            return logits, fvar
         params = curv.subnetwork_parameters(bnn.model, state.param_names(layers))
         pieces, logits_all = [], []
         for _, xc in curv.example_chunks(x, state.chunk(bnn, self.config, x, posterior.num_params)):

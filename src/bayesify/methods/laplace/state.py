@@ -19,6 +19,7 @@ from bayesify.core.outputs import logits_of
 from bayesify.core.state import derived
 from bayesify.errors import BayesifyError
 from bayesify.methods.laplace import posterior as post
+from bayesify.methods.laplace import trunk
 from bayesify.methods.laplace.config import LaplaceConfig
 from bayesify.methods.laplace.layers import LaplaceLayer
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 LAST_LAYER_POSTERIORS = {"kron": post.LastLayerKron, "diag": post.LastLayerDiag,
                          "full": post.LastLayerFull}
 _POSTERIOR = derived("laplace_posterior")
+_TRUNK = derived("laplace_trunk")
 _CLASSES = "laplace_classes"
 
 
@@ -62,8 +64,23 @@ def train_loss(bnn: BayesianModel) -> torch.Tensor | None:
 
 
 def forget_posterior(bnn: BayesianModel) -> None:
-    """Drop the cached posterior view (the curvature changed)."""
+    """Drop the cached posterior views (the curvature changed)."""
     bnn.runtime.pop(_POSTERIOR, None)
+    bnn.runtime.pop(_TRUNK, None)
+
+
+def trunk_posterior(bnn: BayesianModel, config: LaplaceConfig) -> trunk.TrunkPosterior | None:
+    """The feature layers' posterior (:mod:`bayesify.methods.laplace.trunk`) when it was
+    fitted, else None (cached like the posterior view)."""
+    if _TRUNK in bnn.runtime:
+        return bnn.runtime[_TRUNK]
+    view = None
+    head = first(layers(bnn))
+    if last_layer(bnn) and config.feature_layers and trunk.fitted(head):
+        widths = trunk.check_layers(bnn.model, list(config.feature_layers))
+        view = trunk.TrunkPosterior(head, widths, config.logit_std)
+    bnn.runtime[_TRUNK] = view
+    return view
 
 
 def posterior(bnn: BayesianModel, config: LaplaceConfig) -> Any:

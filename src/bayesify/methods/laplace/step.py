@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +24,7 @@ from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
 from bayesify.kit.steps import CurvatureStep, keeps_accuracy
 from bayesify.methods.laplace import curvature as curv
-from bayesify.methods.laplace import state
+from bayesify.methods.laplace import state, trunk
 from bayesify.methods.laplace.config import LaplaceConfig
 from bayesify.methods.laplace.layers import LaplaceLayer
 
@@ -66,6 +67,7 @@ class LaplaceStep(CurvatureStep):
         #: (features ã, labels) of the first GUARD_ROWS training examples (last layer)
         self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._curvature = "ggn"
+        self._warned = False
 
     def ready(self, bnn: BayesianModel) -> bool:
         """The posterior exists once ``fit`` has built it."""
@@ -95,7 +97,8 @@ class LaplaceStep(CurvatureStep):
         head = state.first(found)
         dtype = head.n_data.dtype
         if state.last_layer(bnn):
-            with state.capturing(head):
+            taps = self._taps(bnn)
+            with state.capturing(head), taps.installed() if taps else nullcontext():
                 logits = logits_of(call_model(bnn.model, inputs))
                 feats = self._features(head, logits, check=True)
                 if feats is not None:
@@ -103,6 +106,8 @@ class LaplaceStep(CurvatureStep):
                     _last_layer_batch(head, feats.to(dtype), logits.to(dtype).softmax(-1),
                                       self.config.logit_std if self._curvature == "features"
                                       else None)
+                    if taps is not None:
+                        self._trunk_batch(head, taps, logits)
             if feats is None:  # diag on a layer that is not the logits: Jacobian path
                 bnn.state.set("laplace_last_layer", 0)
                 self._subnetwork_curvature()
@@ -122,6 +127,24 @@ class LaplaceStep(CurvatureStep):
         total.add_(loss.to(total.device, total.dtype))
         for layer in found.values():
             layer.n_data.add_(labels.shape[0])
+
+    def _taps(self, bnn: BayesianModel) -> trunk.Taps | None:
+        """The feature layers' hooks, where their sums are fitted (the feature curvature)."""
+        names = list(self.config.feature_layers or ())
+        if not names or self._curvature != "features":
+            return None
+        return trunk.Taps(bnn.model, names)
+
+    def _trunk_batch(self, head: LaplaceLayer, taps: trunk.Taps, logits: torch.Tensor) -> None:
+        psi, missing = taps.features(logits.shape[0], torch.float64, logits.device)
+        if missing and not self._warned:
+            self._warned = True
+            logger.warning(
+                "laplace: feature layers %s gave no [batch, features] output in this forward; "
+                "their part of the variance is 0 (name others with feature_layers=[...], or "
+                "pass feature_layers=None)", missing)
+        check_finite_logits(psi, where="laplace fit (feature layers)")
+        trunk.accumulate(head, psi, head.captured[0])
 
     def _subnetwork_curvature(self) -> None:
         """A subnetwork posterior's curvature is the GGN ('auto' resolves to it)."""
@@ -151,6 +174,8 @@ class LaplaceStep(CurvatureStep):
                                   "curvature": self._curvature,
                                   "train_loss": float(bnn.state.get_buffer("laplace_train_loss")),
                                   "prior_method": method}
+        if trunk.fitted(state.first(found)):
+            record["feature_layers"] = list(cfg.feature_layers)
         if method == "marglik":
             count = len(found) if cfg.prior_per_layer else 1
             log_tau = torch.full((count,), math.log(cfg.prior_precision), dtype=torch.float64,
