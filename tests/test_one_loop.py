@@ -232,11 +232,13 @@ def test_every_family_runs_under_torchrun(family, ddp_out):
 
 
 def test_posthoc_two_ranks_equal_one_process(ddp_out):
-    """Laplace: everything, predictions included. SWAG: the moments and the SWA solution
+    """Laplace (the feature layers' sums too): everything, predictions included. SWAG: the moments and the SWA solution
     (the recomputed BatchNorm statistics are means over per-rank batches of half the
     size, which no data order can make equal, so they and the predictions are not)."""
-    for family in ("laplace", "swag"):
+    for family in ("laplace", "laplace-features", "swag"):
         single = W.run(family, 1)
+        if family == "laplace-features":
+            assert float(single["5.trunk_count"]) == 96 and single["5.trunk_outer"].abs().sum() > 0
         for rank in (0, 1):
             dist = torch.load(ddp_out / f"{family}_rank{rank}.pt", weights_only=True)
             assert dist.keys() == single.keys()

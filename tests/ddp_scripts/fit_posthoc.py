@@ -4,6 +4,8 @@ loop on digits, with a fixed data order.
 
 - ``laplace``: last-layer KFAC, marginal-likelihood τ: curvature, loss and counts
   must be all-reduced, never counted twice;
+- ``laplace-features``: the feature curvature with the feature layers' sums (the
+  BatchNorm's pooled outputs), all-reduced like the curvature;
 - ``swag``: SGD snapshots from the pretrained CNN (with BatchNorm), seeded order.
 
 Writes OUT/<family>_rank<r>.pt: posterior tensors + member logits on a test batch.
@@ -46,6 +48,10 @@ def run(family: str, world: int) -> dict[str, torch.Tensor]:
     if family == "laplace":
         bnn = bayesify(base_model(), "laplace", targets="last_layer", prior_method="marglik")
         fit(bnn, loader, progress=False)
+    elif family == "laplace-features":  # the feature curvature and its feature layers' sums
+        bnn = bayesify(base_model(), "laplace", curvature="features", prior_method="fixed",
+                       prior_precision=0.3)
+        fit(bnn, loader, progress=False)
     else:
         bnn = bayesify(base_model(), "swag", snapshot_every_steps=1, predict_samples=3,
                        lr=0.05, scale_method="fixed")
@@ -76,7 +82,7 @@ def main(out_dir: str) -> None:
     from bayesify import list_methods
 
     ctx = setup_distributed(None, torch.device("cpu"))
-    for family in ("laplace", "swag"):
+    for family in ("laplace", "laplace-features", "swag"):
         torch.save(run(family, ctx.world_size), Path(out_dir) / f"{family}_rank{ctx.rank}.pt")
     for family in list_methods():
         torch.save(run_default(family, ctx.world_size),
