@@ -1,4 +1,4 @@
-"""Laplace's feature layers (``bayesify.methods.laplace.trunk``): the variance they add
+"""Laplace's feature layers (``bayesify.kit.feature_layers``): the variance they add
 against a float64 brute force, the choice of ``'auto'``, the pooling of every layout,
 exports, save / load (old manifests included) and clear refusals."""
 
@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import BayesifyError, bayesify, fit, load_posterior
-from bayesify.methods.laplace import trunk
+from bayesify.kit import feature_layers as trunk
 from bayesify.posterior_format import MANIFEST_FILE, _manifest_checksum
 
 

@@ -5,6 +5,7 @@ refusals."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -496,3 +497,92 @@ def test_loading_a_state_drops_what_the_runtime_derived_from_the_old_one(method)
     assert not set(a.runtime) & {"laplace_heads_posterior", "laplace_posterior"}
     torch.testing.assert_close(a.predictor().predict(x).log_probs, b.predictor().predict(x).log_probs)
     assert not torch.allclose(before, b.predictor().predict(x).log_probs)
+
+
+def _norm_net() -> nn.Module:
+    """BatchNorm and LayerNorm before the classifier: the heads' feature layers."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7, 7),
+                         nn.LayerNorm(7), nn.ReLU(), nn.Linear(7, 3)).eval()
+
+
+def _fitted_norm(method: str = "ensemble", **options) -> object:
+    bnn = bayesify(_norm_net(), method=method, laplace_heads=True, **options)
+    epochs = {"epochs": 2} if bnn.method.step().optimizes else {}
+    fit(bnn, _loader(), val_loader=_loader(32, 2), **epochs)
+    return bnn
+
+
+def test_the_heads_feature_layers_add_the_brute_force_variance_to_every_member() -> None:
+    """With normalisation layers before the classifier every member's variance gains
+    ``ψ̃_mᵀ (Ψ̃ᵀΨ̃/σ² + τI)⁻¹ ψ̃_m`` (the sums over every member's training rows, each layer
+    standardised to the heads' mean squared feature norm), the same for every class."""
+    bnn = _fitted_norm("ensemble", components=3)
+    view = heads.trunk_posterior(bnn)
+    assert view is not None and view.names == ["1", "4"]
+    samples = bnn.posterior_config.default_samples()
+    feats, _, psi = heads.member_inputs(bnn, _data()[0], samples_per_component=samples,
+                                        max_rows=4096, seed=heads.HEAD_SEED, names=view.names)
+    rows, a = psi.reshape(-1, 14), feats[..., :-1].reshape(-1, 7).double()
+    assert rows.shape[0] == 3 * 48 and not torch.equal(psi[0], psi[1])  # members differ
+    mu = rows.mean(0)
+    scale = torch.cat([torch.full((7,), float(torch.sqrt(a.square().sum(1).mean() / (
+        rows[:, p] - mu[p]).square().sum(1).mean())), dtype=torch.float64)
+        for p in (slice(0, 7), slice(7, 14))])
+    train = (rows - mu) * scale
+    tau = 0.2
+    heads.set_prior_precision(bnn, tau)
+    precision = train.T @ train / heads.LOGIT_STD**2 + tau * torch.eye(14, dtype=torch.float64)
+    x = 4 * _data(6, 3)[0]
+    f, _, p = heads.member_inputs(bnn, x, samples_per_component=samples, max_rows=4096,
+                                  seed=0, names=view.names)
+    test = (p - mu) * scale
+    brute = (test * torch.linalg.solve(precision, test.reshape(-1, 14).T).T.reshape(test.shape)).sum(-1)
+    torch.testing.assert_close(view.variance(p, tau), brute, rtol=1e-6, atol=1e-8)
+    # the predictive is the probit of the heads' variance plus it
+    head_var = heads.functional_variance(heads._posterior(bnn), f.double(), tau)
+    logits = heads.member_features(bnn, x, samples_per_component=samples, max_rows=4096,
+                                   seed=0)[1]
+    mean, scale_t = heads._member_scale(bnn, logits.double())
+    want = torch.log_softmax(mean / torch.sqrt(1 + math.pi / 8 * (head_var + brute.unsqueeze(-1))
+                                               * scale_t), -1).exp().mean(0)
+    torch.testing.assert_close(bnn.predictive(x).probs.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["ensemble", "ibnn", "batchensemble", "rank1", "hypernet",
+                                    "mnf", "epinet", "abnn", "dropout", "meanfield"])
+def test_exported_heads_with_feature_layers_equal_in_process(method: str, tmp_path) -> None:
+    """pt2 / ONNX exports of heads whose variance reads BatchNorm and LayerNorm outputs of
+    every member equal the in-process predictor to 1e-5 (probs and epistemic)."""
+    from bayesify.predict.exported import run_exported
+
+    bnn = _fitted_norm(method)
+    assert heads.trunk_posterior(bnn) is not None
+    heads.set_prior_precision(bnn, 0.1)
+    x, _ = _data(7, 9)
+    predictor = bnn.predictor()
+    want = predictor(3 * x)
+    formats = ("pt2", "onnx") if importlib.util.find_spec("onnxruntime") else ("pt2",)
+    for fmt in formats:
+        predictor.export(tmp_path / f"m.{fmt}", x)
+        probs, epistemic = run_exported(tmp_path / f"m.{fmt}", 3 * x)
+        torch.testing.assert_close(torch.as_tensor(probs), want.probs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.as_tensor(epistemic), want.epistemic, rtol=0, atol=1e-5)
+
+
+def test_saved_heads_with_feature_layers_load_exactly(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from bayesify import load_posterior
+
+    bnn = _fitted_norm("ibnn")
+    x, _ = _data(6, 8)
+    want = bnn.predictor()(3 * x)
+    bnn.save_posterior(tmp_path / "post")
+    loaded = load_posterior(_norm_net(), tmp_path / "post")
+    assert heads.trunk_posterior(loaded) is not None
+    torch.testing.assert_close(loaded.predictor()(3 * x).probs, want.probs, rtol=0, atol=1e-6)
+    tensors = load_file(tmp_path / "post" / "posterior.safetensors")
+    tensors["bayesify.heads_trunk_sum"] = torch.zeros(5, dtype=torch.float64)
+    with pytest.raises(BayesifyError, match="feature-layer sums"):
+        heads.restore(bayesify(_norm_net(), method="ibnn", laplace_heads=True), tensors)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,6 +62,7 @@ from bayesify.core.selection import log_grid, prior_is_negligible
 from bayesify.core.state import derived
 from bayesify.core.walker import find_classifier
 from bayesify.errors import BayesifyError
+from bayesify.kit import feature_layers as trunk
 from bayesify.kit.knobs import MemberTemperature
 
 if TYPE_CHECKING:
@@ -72,12 +74,17 @@ logger = logging.getLogger(__name__)
 _A, _G, _N, _TAU, _FITTED = ("heads_kron_input", "heads_kron_output", "heads_n_data",
                              "heads_prior_precision", "heads_fitted")
 _H = "heads_ggn_full"
+#: the feature layers' sums (:mod:`bayesify.kit.feature_layers`), with the feature curvature
+TRUNK_ENTRIES = ("heads_trunk_sum", "heads_trunk_outer", "heads_trunk_head_sq",
+                 "heads_trunk_count")
+_TRUNK_CACHE = derived("laplace_heads_trunk")
 #: the exact GGN per component (``H_k [P, P]``, P = C·D') for a classifier of at most this
 #: many parameters, KFAC above: on the laplace family the exact last-layer GGN gave lower
 #: NLL under shift and higher OOD AUROC than KFAC on both quality protocols; per component a
 #: P × P matrix and an eigendecomposition, and P·C projections per member and example
 FULL_PARAMS = 1024
 _CACHE = derived("laplace_heads_posterior")
+_WARNED = "laplace_heads_trunk_warned"
 #: τ grid of the search (log-spaced); large τ is the family's own predictive
 TAU_GRID = (1e-4, 1e4, 17)
 #: the predictor's seed the heads are fitted for
@@ -118,6 +125,36 @@ def classifier_module(bnn: BayesianModel) -> nn.Module:
         raise BayesifyError("laplace_heads needs a Linear classifier in the model; none found")
     module = bnn.model.get_submodule(base_name(name)) if base_name(name) else bnn.model
     return module
+
+
+def trunk_names(bnn: BayesianModel) -> list[str]:
+    """The heads' feature layers (``trunk.auto_layers`` of the wrapped model): with the
+    feature curvature, up to four normalisation layers whose pooled, standardised outputs
+    join every member's variance (as the laplace family's ``feature_layers='auto'``)."""
+    if CURVATURE != "features":
+        return []
+    classifier = base_name(find_classifier(bnn.model) or "")
+    return trunk.auto_layers(bnn.model, classifier)
+
+
+def member_inputs(bnn: BayesianModel, x: Any, *, samples_per_component: int, max_rows: int,
+                  seed: int | None, names: list[str] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`member_features` and, with feature layers ``names``, their pooled outputs of
+    every member ``ψ [M, B, Σd]`` (float64; a layer the members share: the same rows)."""
+    taps = trunk.Taps(bnn.model, names) if names else None
+    with taps.installed() if taps else nullcontext():
+        feats, logits = member_features(bnn, x, samples_per_component=samples_per_component,
+                                        max_rows=max_rows, seed=seed)
+        if taps is None:
+            return feats, logits, None
+        psi, missing = taps.members(logits.shape[0], logits.shape[1], torch.float64,
+                                    logits.device)
+    if missing and not bnn.runtime.get(_WARNED):
+        bnn.runtime[_WARNED] = True
+        logger.warning("laplace_heads: feature layers %s gave no [members × batch, features] "
+                       "output in the member forward; their part of the variance is 0", missing)
+    return feats, logits, psi
 
 
 def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, max_rows: int,
@@ -181,14 +218,22 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
     bnn.eval()
     samples = bnn.posterior_config.default_samples()
     sums: list[torch.Tensor] | None = None
+    names = trunk_names(bnn)
+    trunk_sums: list[torch.Tensor] | None = None
     n = 0
     try:
         quota = math.ceil(HEADS_EXAMPLES / max(ctx.world_size, 1))
         for batch in ctx.batches():
             if n >= quota:
                 break
-            feats, logits = member_features(bnn, batch.model_input(), samples_per_component=samples,
-                                            max_rows=1 << 30, seed=HEAD_SEED)
+            feats, logits, psi = member_inputs(bnn, batch.model_input(),
+                                               samples_per_component=samples, max_rows=1 << 30,
+                                               seed=HEAD_SEED, names=names)
+            if psi is not None:
+                part = trunk.batch_sums(psi.reshape(-1, psi.shape[-1]),
+                                        feats[..., :-1].reshape(-1, feats.shape[-1] - 1))
+                trunk_sums = list(part) if trunk_sums is None else [
+                    t + u for t, u in zip(trunk_sums, part, strict=True)]
             feats, probs = feats.double(), logits.double().softmax(-1)
             if CURVATURE == "ggn" and feats.shape[-1] * probs.shape[-1] <= FULL_PARAMS:
                 parts = [_full_ggn(feats, probs, samples)]
@@ -213,8 +258,13 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
     curvature = {_H: sums[0]} if len(sums) == 1 else {_A: sums[0], _G: sums[1]}
     entries = {**curvature, _N: torch.tensor(total, dtype=torch.float64),
                _TAU: torch.tensor(TAU_GRID[1], dtype=torch.float64), _FITTED: torch.ones((), dtype=torch.long)}
+    if trunk_sums is not None:
+        entries.update(zip(TRUNK_ENTRIES, (ctx.all_reduce_sum(t) for t in trunk_sums),
+                           strict=True))
     buffers = dict(bnn.state.named_buffers())
-    for name in (_A, _G) if _H in curvature else (_H,):  # an earlier fit's other structure
+    stale = [*((_A, _G) if _H in curvature else (_H,)),  # an earlier fit's other structure
+             *(() if trunk_sums is not None else TRUNK_ENTRIES)]
+    for name in stale:
         if name in buffers:
             delattr(bnn.state, name)
     for name, value in entries.items():
@@ -223,10 +273,12 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
         else:
             bnn.state.add(name, value.to(bnn.device))
     bnn.runtime.pop(_CACHE, None)
+    bnn.runtime.pop(_TRUNK_CACHE, None)
     # the mean over the ranks, so every rank records the same (the history is shared)
     seconds = ctx.all_reduce_mean(torch.tensor(time.perf_counter() - started,
                                                dtype=torch.float64, device=a.device))
     return {"heads_components": int(a.shape[0]), "heads_n_data": total,
+            **({"heads_feature_layers": names} if trunk_sums is not None else {}),
             "heads_structure": "full" if len(sums) == 1 else "kron",
             "heads_seconds": float(seconds)}
 
@@ -254,6 +306,7 @@ def unfit(bnn: BayesianModel) -> None:
     if fitted(bnn):
         bnn.state.set(_FITTED, 0)
         bnn.runtime.pop(_CACHE, None)
+        bnn.runtime.pop(_TRUNK_CACHE, None)
 
 
 def _per_component(per_member: torch.Tensor, samples: int) -> torch.Tensor:
@@ -309,11 +362,23 @@ def restore(bnn: BayesianModel, tensors: dict[str, torch.Tensor], *,
         raise BayesifyError(
             f"the saved laplace_heads state does not fit this model's classifier ({inputs} "
             f"inputs, {classes} classes, {components} components): {shapes}")
+    trunk_present = [name for name in TRUNK_ENTRIES if prefix + name in tensors]
+    if trunk_present:
+        width = sum(trunk.width(bnn.model.get_submodule(n)) for n in trunk_names(bnn))
+        shapes_ok = (len(trunk_present) == len(TRUNK_ENTRIES)
+                     and tensors[prefix + TRUNK_ENTRIES[0]].shape == (width,)
+                     and tensors[prefix + TRUNK_ENTRIES[1]].shape == (width, width))
+        if not shapes_ok:
+            raise BayesifyError(
+                f"the saved laplace_heads feature-layer sums {trunk_present} do not fit this "
+                f"model's feature layers {trunk_names(bnn)} ({width} features)")
+        expected = (*expected, *TRUNK_ENTRIES)
     buffers = dict(bnn.state.named_buffers())
     for name in expected:
         if name not in buffers:
             bnn.state.add(name, torch.zeros_like(tensors[prefix + name], device=bnn.device))
     bnn.runtime.pop(_CACHE, None)
+    bnn.runtime.pop(_TRUNK_CACHE, None)
 
 
 def set_prior_precision(bnn: BayesianModel, tau: float) -> None:
@@ -340,13 +405,18 @@ def grid_log_probs(bnn: BayesianModel, x: Any, taus: tuple[float, ...]) -> list[
     from one member forward: the features and logits do not depend on τ, and the variance's
     τ-free part is computed once. Equal to setting each τ and predicting."""
     samples = bnn.posterior_config.default_samples()
+    view = trunk_posterior(bnn)
     with model_lock(bnn):
-        feats, logits = member_features(bnn, x, samples_per_component=samples, max_rows=4096,
-                                        seed=HEAD_SEED)
+        feats, logits, psi = member_inputs(bnn, x, samples_per_component=samples, max_rows=4096,
+                                           seed=HEAD_SEED, names=view and view.names)
     posterior = _posterior(bnn)
     mean, scale = _member_scale(bnn, logits.double())
-    return [Prediction(_probits(mean, var * scale).float()).raw_log_probs
-            for var in posterior.variances(feats, taus)]
+    variances = posterior.variances(feats, taus)
+    if view is not None:
+        projected = view.projections(psi)
+        variances = [var + (projected @ (1.0 / (view.eig + tau))).unsqueeze(-1)
+                     for var, tau in zip(variances, taus, strict=True)]
+    return [Prediction(_probits(mean, var * scale).float()).raw_log_probs for var in variances]
 
 
 def _member_scale(bnn: BayesianModel, mean: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -437,6 +507,27 @@ def _posterior(bnn: BayesianModel) -> HeadsPosterior:
     return cached
 
 
+def trunk_posterior(bnn: BayesianModel) -> trunk.TrunkPosterior | None:
+    """The heads' feature-layer posterior (one for every member, from the sums over all
+    members), with ``.names``; None where the heads were fitted without one."""
+    if _TRUNK_CACHE in bnn.runtime:
+        return bnn.runtime[_TRUNK_CACHE]
+    buffers = dict(bnn.state.named_buffers())
+    view = None
+    if all(name in buffers for name in TRUNK_ENTRIES) and float(buffers[TRUNK_ENTRIES[3]]) > 0:
+        names = trunk_names(bnn)
+        widths = [trunk.width(bnn.model.get_submodule(n)) for n in names]
+        if sum(widths) != buffers[TRUNK_ENTRIES[0]].shape[0]:
+            raise BayesifyError(
+                f"laplace_heads: the saved feature-layer sums have width "
+                f"{buffers[TRUNK_ENTRIES[0]].shape[0]}, this model's feature layers {names} "
+                f"{sum(widths)}")
+        view = trunk.TrunkPosterior(tuple(buffers[n] for n in TRUNK_ENTRIES), widths, LOGIT_STD)
+        view.names = names
+    bnn.runtime[_TRUNK_CACHE] = view
+    return view
+
+
 def functional_variance(posterior: HeadsPosterior, feats: torch.Tensor,
                         tau: torch.Tensor | float) -> torch.Tensor:
     """``diag Σ_f [M, B, C]`` of members ``ã [M, B, D']`` (component-major, M = K·S), each in
@@ -447,14 +538,18 @@ def functional_variance(posterior: HeadsPosterior, feats: torch.Tensor,
 def heads_predictive(bnn: BayesianModel, x: Any, *, samples_per_component: int, max_rows: int,
                      seed: int | None = None, deterministic: bool = False) -> Prediction:
     """The mixture over members of each member's probit GLM predictive (see module doc)."""
-    feats, logits = member_features(bnn, x, samples_per_component=samples_per_component,
-                                    max_rows=max_rows, seed=seed)
+    view = trunk_posterior(bnn)
+    feats, logits, psi = member_inputs(bnn, x, samples_per_component=samples_per_component,
+                                       max_rows=max_rows, seed=seed, names=view and view.names)
     posterior = _posterior(bnn)
     if feats.shape[0] % posterior.components:
         raise BayesifyError(
             f"laplace_heads were fitted for {posterior.components} posterior components; this "
             f"prediction has {feats.shape[0]} members, not a whole number per component")
-    var = functional_variance(posterior, feats, bnn.state.get_buffer(_TAU))
+    tau = bnn.state.get_buffer(_TAU)
+    var = functional_variance(posterior, feats, tau)
+    if view is not None:  # the feature layers' v(x), the same for every class
+        var = var + view.variance(psi, tau).unsqueeze(-1)
     mean, scale = _member_scale(bnn, logits.double())
     var = var * scale
     return Prediction(_probits(mean, var).float(),

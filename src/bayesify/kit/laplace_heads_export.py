@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from bayesify.core.batch import example_batch
 from bayesify.core.names import BASE_LAYER, base_name
 from bayesify.core.outputs import logits_of
 from bayesify.core.walker import find_classifier
@@ -51,6 +52,22 @@ class LogitsAndFeatures(nn.Module):
         return torch.cat([logits, a.to(logits.dtype)], dim=-1)
 
 
+class RecordingTap(nn.Module):
+    """Stands in for a copy of a feature layer: its output, every call kept for
+    :class:`HeadsMembers` to pool (read back after the forward, as the classifier's
+    features are)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls: list[Any] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.inner(*args, **kwargs)
+        self.calls.append(out)
+        return out
+
+
 class HeadsMembers(nn.Module):
     """``x → [2, M, B, C]``: every member's Gaussian over the logits, ``(f_m/t, diag Σ_f,m/t²)``
     (see the module docstring); :attr:`gaussian_members` names their link."""
@@ -60,13 +77,26 @@ class HeadsMembers(nn.Module):
     gaussian_members = "probit"
 
     def __init__(self, members: nn.Module, *, num_classes: int, tensors: dict[str, torch.Tensor],
-                 member_temperature: float) -> None:
+                 member_temperature: float, taps: list[list[RecordingTap]] | None = None,
+                 names: list[str] | None = None) -> None:
         super().__init__()
         self.members = members
         self.num_classes = int(num_classes)
         self.member_temperature = float(member_temperature)
+        object.__setattr__(self, "taps", taps or [])  # submodules of members already
+        self.names = list(names or [])
+        self.modes: list[str] | None = None  # set by fix_modes before tracing
         for key, value in tensors.items():
             self.register_buffer(key, value.detach().clone())
+
+    def _calls(self) -> list[list[torch.Tensor | None]]:
+        """Every feature layer's pooled calls of the last forward (then forgotten)."""
+        calls = [[heads.trunk.pooled(tap.inner, out, heads.trunk._rows(out))
+                  for tap in copies for out in tap.calls] for copies in self.taps]
+        for copies in self.taps:
+            for tap in copies:
+                tap.calls = []
+        return calls
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self.members(*args, **kwargs)  # [M, B, C + D]
@@ -79,8 +109,24 @@ class HeadsMembers(nn.Module):
         else:
             s = (feats.reshape(k, -1, d) @ self.q_a).square() @ self.inv_eig.transpose(1, 2)
             var = (s @ self.q_g_sq.transpose(1, 2)).reshape(logits.shape)  # [M, B, C]
+        if self.taps:  # the feature layers' v(x) of every member, the same for every class
+            psi, _ = heads.trunk.member_rows(
+                self._calls(), self.names, [heads.trunk.width(c[0].inner) for c in self.taps],
+                logits.shape[0], logits.shape[1], self.trunk_mu.dtype, logits.device,
+                modes=self.modes)
+            v = (((psi - self.trunk_mu) * self.trunk_scale) @ self.trunk_q).square() \
+                @ self.trunk_inv_eig
+            var = var + v.unsqueeze(-1).to(var)
         t = self.member_temperature
         return torch.stack([logits.to(var.dtype) / t, var / (t * t)]).float()
+
+
+def _fix_modes(module: HeadsMembers, example_input: Any) -> None:
+    """One eager forward of the example: how each feature layer's calls map to the members
+    (:func:`~bayesify.kit.feature_layers.row_modes`), fixed before the graph is traced."""
+    with torch.no_grad():
+        out = example_batch(example_input).call(module.members)
+    module.modes = heads.trunk.row_modes(module._calls(), out.shape[0], out.shape[1])
 
 
 def export_heads(bnn: BayesianModel, *, samples_per_component: int, seed: int,
@@ -110,8 +156,38 @@ def export_heads(bnn: BayesianModel, *, samples_per_component: int, seed: int,
         raise BayesifyError(f"laplace_heads: the classifier {type(linear).__name__} is not a "
                             f"Linear; {heads.NOT_EXPORTED}")
     tensors = posterior.export_tensors(tau, linear.in_features + 1)
-    return HeadsMembers(family, num_classes=linear.out_features, tensors=tensors,
-                        member_temperature=temperature).eval()
+    view = heads.trunk_posterior(bnn)
+    taps = None
+    if view is not None:
+        tensors.update(view.export_tensors(tau))
+        taps = [_tap_copies(bnn, family, name) for name in view.names]
+    module = HeadsMembers(family, num_classes=linear.out_features, tensors=tensors,
+                          member_temperature=temperature, taps=taps,
+                          names=view.names if view is not None else None).eval()
+    if taps:
+        _fix_modes(module, example_input)
+    return module
+
+
+def _tap_copies(bnn: BayesianModel, family: nn.Module, name: str) -> list[RecordingTap]:
+    """Every copy of the feature layer ``name`` in the family's export module (the deepest
+    normalisation layers named like it, in member order), replaced by a
+    :class:`RecordingTap`."""
+    matches = [n for n, m in family.named_modules()
+               if (n == name or n.endswith("." + name)) and heads.trunk.width(m)
+               and not n.endswith("." + BASE_LAYER)]
+    copies = [n for n in matches if not any(o.startswith(n + ".") for o in matches)]
+    if not copies:
+        raise BayesifyError(
+            f"laplace_heads: the export module of {bnn.method.name!r} holds no copy of the "
+            f"feature layer {name!r}; {heads.NOT_EXPORTED}")
+    taps = []
+    for qualified in copies:
+        parent_name, _, attr = qualified.rpartition(".")
+        parent = family.get_submodule(parent_name) if parent_name else family
+        taps.append(RecordingTap(getattr(parent, attr)))
+        setattr(parent, attr, taps[-1])
+    return taps
 
 
 def _read_features(bnn: BayesianModel, family: nn.Module) -> None:

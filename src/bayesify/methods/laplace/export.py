@@ -31,9 +31,10 @@ from torch import nn
 from bayesify.core.outputs import logits_of
 from bayesify.core.walker import replace_modules
 from bayesify.errors import BayesifyError
+from bayesify.kit import feature_layers as trunk
 from bayesify.kit.stacked import StackedModels
 from bayesify.methods.laplace import posterior as post
-from bayesify.methods.laplace import state, trunk
+from bayesify.methods.laplace import state
 from bayesify.methods.laplace.config import LaplaceConfig
 from bayesify.methods.laplace.curvature import augmented_features
 
@@ -59,7 +60,7 @@ class FeatureTap(nn.Module):
 
 
 class PooledTap(nn.Module):
-    """Stands in for a feature layer (:mod:`bayesify.methods.laplace.trunk`): its output,
+    """Stands in for a feature layer (:mod:`bayesify.kit.feature_layers`): its output,
     kept for :class:`LastLayerLaplace` to pool (as :class:`FeatureTap` keeps ``a``)."""
 
     def __init__(self, norm: nn.Module) -> None:

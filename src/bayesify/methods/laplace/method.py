@@ -35,9 +35,10 @@ from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.core.selection import log_grid, prior_is_negligible
 from bayesify.errors import BayesifyError
+from bayesify.kit import feature_layers as trunk
 from bayesify.methods.laplace import curvature as curv
 from bayesify.methods.laplace import posterior as post
-from bayesify.methods.laplace import state, trunk
+from bayesify.methods.laplace import state
 from bayesify.methods.laplace.config import AUTO_FULL_PARAMS, LaplaceConfig, auto_structure
 from bayesify.methods.laplace.export import export_laplace
 from bayesify.methods.laplace.layers import LaplaceLayer

@@ -18,8 +18,8 @@ from bayesify.core.names import wrapped_name
 from bayesify.core.outputs import logits_of
 from bayesify.core.state import derived
 from bayesify.errors import BayesifyError
+from bayesify.kit import feature_layers as trunk
 from bayesify.methods.laplace import posterior as post
-from bayesify.methods.laplace import trunk
 from bayesify.methods.laplace.config import LaplaceConfig
 from bayesify.methods.laplace.layers import LaplaceLayer
 
@@ -70,7 +70,7 @@ def forget_posterior(bnn: BayesianModel) -> None:
 
 
 def trunk_posterior(bnn: BayesianModel, config: LaplaceConfig) -> trunk.TrunkPosterior | None:
-    """The feature layers' posterior (:mod:`bayesify.methods.laplace.trunk`) when it was
+    """The feature layers' posterior (:mod:`bayesify.kit.feature_layers`) when it was
     fitted, else None (cached like the posterior view)."""
     if _TRUNK in bnn.runtime:
         return bnn.runtime[_TRUNK]
@@ -78,7 +78,7 @@ def trunk_posterior(bnn: BayesianModel, config: LaplaceConfig) -> trunk.TrunkPos
     head = first(layers(bnn))
     if last_layer(bnn) and config.feature_layers and trunk.fitted(head):
         widths = trunk.check_layers(bnn.model, list(config.feature_layers))
-        view = trunk.TrunkPosterior(head, widths, config.logit_std)
+        view = trunk.TrunkPosterior(trunk.sums_of(head), widths, config.logit_std)
     bnn.runtime[_TRUNK] = view
     return view
 

@@ -22,9 +22,10 @@ from bayesify.core.names import in_base_layer
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
+from bayesify.kit import feature_layers as trunk
 from bayesify.kit.steps import CurvatureStep, keeps_accuracy
 from bayesify.methods.laplace import curvature as curv
-from bayesify.methods.laplace import state, trunk
+from bayesify.methods.laplace import state
 from bayesify.methods.laplace.config import LaplaceConfig
 from bayesify.methods.laplace.layers import LaplaceLayer
 

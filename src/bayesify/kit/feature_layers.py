@@ -44,8 +44,18 @@ MAX_WIDTH = 8192
 BUFFERS = ("trunk_sum", "trunk_outer", "trunk_head_sq", "trunk_count")
 
 
+def norm_of(module: nn.Module) -> nn.Module | None:
+    """The normalisation layer ``module`` is, or wraps (a family's wrapper around one)."""
+    if isinstance(module, NORMS):
+        return module
+    inner = getattr(module, "base_layer", None)
+    return inner if isinstance(inner, NORMS) else None
+
+
 def width(module: nn.Module) -> int | None:
-    """The feature count of a normalisation layer (None: not one, or no single count)."""
+    """The feature count of a normalisation layer (or a wrapper of one); None: not one, or
+    no single count."""
+    module = norm_of(module)
     if isinstance(module, nn.modules.batchnorm._NormBase):
         return int(module.num_features)
     if isinstance(module, nn.GroupNorm):
@@ -60,7 +70,7 @@ def auto_layers(model: nn.Module, classifier: str) -> list[str]:
     over the network's normalisation layers in module order (first and last included), their
     summed width at most :data:`MAX_WIDTH` (the widest dropped first)."""
     norms = [(n, width(m)) for n, m in model.named_modules()
-             if isinstance(m, NORMS) and width(m) and n
+             if width(m) and n and not n.endswith(".base_layer")
              and not (classifier and (n == classifier or n.startswith(classifier + ".")))]
     if len(norms) > AUTO_LAYERS:
         last = len(norms) - 1
@@ -97,7 +107,7 @@ def pooled(module: nn.Module, output: Any, rows: int) -> torch.Tensor | None:
     d = width(module)
     if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[0] != rows:
         return None
-    axes = (-1, 1) if isinstance(module, nn.LayerNorm) else (1, -1)
+    axes = (-1, 1) if isinstance(norm_of(module), nn.LayerNorm) else (1, -1)
     for axis in axes:
         if out.shape[axis] == d:
             moved = out.movedim(axis, -1)
@@ -106,39 +116,86 @@ def pooled(module: nn.Module, output: Any, rows: int) -> torch.Tensor | None:
 
 
 class Taps:
-    """Keeps the last output of each feature layer while installed (forward hooks)."""
+    """Keeps the outputs of each feature layer while installed (forward hooks; every call)."""
 
     def __init__(self, model: nn.Module, names: list[str]) -> None:
         self.names = list(names)
         self.modules = [model.get_submodule(n) for n in self.names]
-        self.outputs: dict[int, Any] = {}
+        self.outputs: dict[int, list[Any]] = {}
+
+    def _keep(self, i: int, out: Any) -> None:
+        self.outputs.setdefault(i, []).append(out.detach() if isinstance(out, torch.Tensor)
+                                              else out)
 
     def features(self, rows: int, dtype: torch.dtype,
                  device: torch.device) -> tuple[torch.Tensor, list[str]]:
-        """``[B, Σ d_k]`` pooled outputs (zeros, and the name reported, where a layer gave none
-        of that batch's rows)."""
+        """``[B, Σ d_k]`` pooled outputs of one forward of B rows (zeros, and the name
+        reported, where a layer gave none of that batch's rows)."""
         parts, missing = [], []
         for i, module in enumerate(self.modules):
-            got = pooled(module, self.outputs.get(i), rows)
+            calls = self.outputs.get(i) or [None]
+            got = pooled(module, calls[-1], rows)
             if got is None:
                 missing.append(self.names[i])
                 got = torch.zeros(rows, width(module), device=device, dtype=dtype)
             parts.append(got.to(device, dtype))
         return torch.cat(parts, dim=1), missing
 
+    def members(self, members: int, rows: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, list[str]]:
+        """``[M, B, Σ d_k]`` of a member forward: per layer, every call's pooled rows in order,
+        ``M·B`` of them (members tiled or stacked) or ``B`` (a trunk the members share);
+        zeros, and the name reported, otherwise."""
+        return member_rows([[pooled(module, out, _rows(out)) for out in self.outputs.get(i, [])]
+                            for i, module in enumerate(self.modules)],
+                           self.names, [width(m) for m in self.modules], members, rows,
+                           dtype, device)
+
     @contextmanager
     def installed(self) -> Iterator[Taps]:
-        handles = [m.register_forward_hook(
-            lambda _m, _i, out, i=i: self.outputs.__setitem__(i, out.detach()
-                                                              if isinstance(out, torch.Tensor)
-                                                              else out))
-            for i, m in enumerate(self.modules)]
+        handles = [m.register_forward_hook(lambda _m, _i, out, i=i: self._keep(i, out))
+                   for i, m in enumerate(self.modules)]
         try:
             yield self
         finally:
             for h in handles:
                 h.remove()
             self.outputs = {}
+
+
+def _rows(out: Any) -> int:
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else -1
+
+
+def row_modes(calls: list[list[torch.Tensor | None]], members: int, rows: int) -> list[str]:
+    """Per layer, how its pooled calls map to members: ``"members"`` (``M·B`` rows, member
+    after member), ``"shared"`` (``B`` rows every member reads) or ``"none"``."""
+    modes = []
+    for got in calls:
+        count = sum(g.shape[0] for g in got) if got and all(g is not None for g in got) else -1
+        modes.append("members" if count == members * rows else
+                     "shared" if count == rows else "none")
+    return modes
+
+
+def member_rows(calls: list[list[torch.Tensor | None]], names: list[str], widths: list[int],
+                members: int, rows: int, dtype: torch.dtype, device: torch.device,
+                modes: list[str] | None = None) -> tuple[torch.Tensor, list[str]]:
+    """``[M, B, Σ d_k]`` from every layer's pooled calls (see :meth:`Taps.members`), mapped
+    by ``modes`` (:func:`row_modes`; fixed ahead for a traced graph, which cannot compare
+    its symbolic batch sizes)."""
+    modes = row_modes(calls, members, rows) if modes is None else modes
+    parts, missing = [], []
+    for name, d, got, mode in zip(names, widths, calls, modes, strict=True):
+        if mode == "members":
+            parts.append(torch.cat(got).reshape(members, -1, d).to(device, dtype))
+        elif mode == "shared":
+            parts.append(torch.cat(got).to(device, dtype).unsqueeze(0).expand(members, -1, d))
+        else:
+            missing.append(name)
+            parts.append(torch.zeros(members, rows, d, device=device, dtype=dtype))
+    return torch.cat(parts, dim=-1), missing
 
 
 def register_buffers(layer: nn.Module, total_width: int) -> None:
@@ -153,26 +210,37 @@ def register_buffers(layer: nn.Module, total_width: int) -> None:
 
 def accumulate(layer: nn.Module, psi: torch.Tensor, a: torch.Tensor) -> None:
     """Add a batch: ``ψ [B, Σd]`` (pooled outputs), ``a [B, D]`` (the classifier's input)."""
-    psi = psi.double()
-    layer.trunk_sum.add_(psi.sum(0))
-    layer.trunk_outer.add_(psi.T @ psi)
-    layer.trunk_head_sq.add_(a.double().square().sum())
-    layer.trunk_count.add_(psi.shape[0])
+    for total, part in zip(sums_of(layer), batch_sums(psi, a), strict=True):
+        total.add_(part.to(total.device))
 
 
 def fitted(layer: nn.Module) -> bool:
     return hasattr(layer, "trunk_count") and float(layer.trunk_count) > 0
 
 
+def sums_of(layer: nn.Module) -> tuple[torch.Tensor, ...]:
+    """``(Σψ, Σψψᵀ, Σ‖a‖², N)`` of the classifier's LaplaceLayer."""
+    return tuple(getattr(layer, name) for name in BUFFERS)
+
+
+def batch_sums(psi: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(Σψ, Σψψᵀ, Σ‖a‖², N)`` of one batch (``ψ [R, Σd]``, ``a [R, D]``, float64)."""
+    psi = psi.double()
+    return (psi.sum(0), psi.T @ psi, a.double().square().sum(),
+            torch.tensor(float(psi.shape[0]), dtype=torch.float64, device=psi.device))
+
+
 class TrunkPosterior:
     """``v(x) = ψ̃ᵀ (Ψ̃ᵀΨ̃/σ² + τI)⁻¹ ψ̃`` from the layer's sums (see the module docstring);
     ``widths``: the feature layers' widths, in order."""
 
-    def __init__(self, layer: nn.Module, widths: list[int], logit_std: float) -> None:
-        n = layer.trunk_count.clamp_min(1)
-        self.mu = layer.trunk_sum / n
-        second = layer.trunk_outer / n - torch.outer(self.mu, self.mu)  # E(ψ−μ)(ψ−μ)ᵀ
-        head = layer.trunk_head_sq / n
+    def __init__(self, sums: tuple[torch.Tensor, ...], widths: list[int],
+                 logit_std: float) -> None:
+        total, outer, head_sq, count = sums
+        n = count.clamp_min(1)
+        self.mu = total / n
+        second = outer / n - torch.outer(self.mu, self.mu)  # E(ψ−μ)(ψ−μ)ᵀ
+        head = head_sq / n
         spread = second.diagonal()
         scales, start = [], 0
         for w in widths:
