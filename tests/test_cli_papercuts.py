@@ -154,8 +154,9 @@ def test_summary_counts_posterior_state_and_names_weights():
     laplace = bayesify(model(), "laplace")
     fit(laplace, loader(), progress=False)
     text = laplace.summary()
-    # structure='auto' on a 45-parameter head: the full 45 × 45 GGN (2025) is state
-    assert "random weights" in text and "0 trainable + 2031 state" in text
+    # structure='auto' on a 45-parameter head: the full 45 × 45 GGN (2025) is state, and
+    # the sums of its feature layer (the 8-channel BatchNorm: 8 + 8 × 8 + 2 = 74)
+    assert "random weights" in text and "0 trainable + 2105 state" in text
     kron = bayesify(model(), "laplace", structure="kron")
     fit(kron, loader(), progress=False)
     assert "0 trainable + 112 state" in kron.summary()

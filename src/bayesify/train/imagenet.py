@@ -74,7 +74,7 @@ def _show(default: Any) -> str:
 
 def _metavar(name: str, default: Any) -> str:
     """What a flag's value looks like, from the field's default (``--components INT``)."""
-    if name == "targets":
+    if name in ("targets", "feature_layers"):
         return "NAME"
     if name in ("include", "exclude"):
         return "PATTERN"
@@ -119,7 +119,7 @@ def add_family_options(parser: argparse.ArgumentParser, method: str, *,
                                   "help": text.replace("%", "%%") if show else argparse.SUPPRESS}
         if isinstance(default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif name == "targets" or isinstance(default, tuple):
+        elif name in ("targets", "feature_layers") or isinstance(default, tuple):
             kwargs.update(nargs="+", type=_value, metavar=_metavar(name, default))
         else:
             kwargs.update(type=_value, metavar=_metavar(name, default))

@@ -48,9 +48,8 @@ class LaplaceConfig(MethodConfig):
     )
     logit_std: float = option(10.0, "Std of curvature='features''s likelihood on the logits.")
     feature_layers: Any = option(
-        "auto", "With curvature='features': normalisation layers whose pooled, standardised "
-        "outputs join the variance as zero-weight connections to the logits (a distance from "
-        "the training data at earlier depths too); 'auto': 4 evenly spaced, None: off.")
+        "auto", "Feature curvature: normalisation layers whose pooled outputs join the "
+        "variance (zero-weight links to the logits); 'auto': 4 spaced, null: off.")
     prior_precision: float = option(1.0, "τ: initial (or, with prior_method='fixed', final) prior precision.")
     prior_method: str = option(
         "auto", "How τ is chosen: 'auto' ('val_nll' when fit gets a val_loader, else "
@@ -76,9 +75,8 @@ class LaplaceConfig(MethodConfig):
     )
     sharpen: bool = option(
         True, "Let the validation search sharpen the predictive (T from 0.05): the GLM's "
-        "epistemic variance grows off the data, so a broad posterior sharpened back to the "
-        "start's clean NLL stays broad there. False: T from 1, or from the start's own best "
-        "T when the network is clearly under-confident, like every other family.")
+        "variance grows off the data, so a broad posterior sharpened to the start's clean "
+        "NLL stays broad there. False: T from 1 (or the start's, if under-confident).")
     link: str = option(
         "probit", "Predictive link of the linearised (GLM) predictive: 'probit' "
         "(softmax(f/sqrt(1+π/8·diag Σ_f))), 'bridge' (Laplace bridge) or 'mc' (samples)."
