@@ -550,7 +550,7 @@ def test_the_heads_feature_layers_add_the_brute_force_variance_to_every_member()
 
 
 @pytest.mark.parametrize("method", ["ensemble", "ibnn", "batchensemble", "rank1", "hypernet",
-                                    "mnf", "epinet", "abnn", "dropout", "meanfield"])
+                                    "mnf", "epinet", "abnn", "dropout", "meanfield", "swag"])
 def test_exported_heads_with_feature_layers_equal_in_process(method: str, tmp_path) -> None:
     """pt2 / ONNX exports of heads whose variance reads BatchNorm and LayerNorm outputs of
     every member equal the in-process predictor to 1e-5 (probs and epistemic)."""
