@@ -60,6 +60,17 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session16.md", "Feature layers: the posterior sees earlier depths (Laplace and "
+             "every family's heads); the heads' spread counts as epistemic",
+             "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol P --seeds 0 1 2 "
+             "--save-seeds --methods laplace --variant laplace-last laplace feature_layers=None "
+             "(P = digits-cnn, digits-vit, wide-cnn); quality.py --methods abnn batchensemble "
+             "dropout ensemble epinet hypernet ibnn meanfield mnf rank1 (this stop's first and "
+             "last commits); BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 pytest -m slow "
+             "tests/test_stress_pretrained.py -k 'True and (...)'; python "
+             "benchmarks/lite0_families.py --classes 10 --seed S --families laplace epinet "
+             "ensemble; python benchmarks/held_out_nets.py NET 0 cells.jsonl laplace,epinet; "
+             "bayesify demo --seed S; the text is written by hand"),
         Part("session15.md", "The feature curvature: Laplace and every family's member-wise "
              "heads count every training example alike",
              "BAYESIFY_BENCH_CACHE=cache python benchmarks/curvature_oracle.py --protocol P "
