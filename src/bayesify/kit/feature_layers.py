@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from bayesify.core.names import BASE_LAYER, base_name
+
 logger = logging.getLogger(__name__)
 
 #: normalisation layers ``feature_layers='auto'`` chooses among
@@ -48,7 +50,7 @@ def norm_of(module: nn.Module) -> nn.Module | None:
     """The normalisation layer ``module`` is, or wraps (a family's wrapper around one)."""
     if isinstance(module, NORMS):
         return module
-    inner = getattr(module, "base_layer", None)
+    inner = getattr(module, BASE_LAYER, None)
     return inner if isinstance(inner, NORMS) else None
 
 
@@ -70,7 +72,7 @@ def auto_layers(model: nn.Module, classifier: str) -> list[str]:
     over the network's normalisation layers in module order (first and last included), their
     summed width at most :data:`MAX_WIDTH` (the widest dropped first)."""
     norms = [(n, width(m)) for n, m in model.named_modules()
-             if width(m) and n and not n.endswith(".base_layer")
+             if width(m) and n and base_name(n) == n  # not inside a wrapper
              and not (classifier and (n == classifier or n.startswith(classifier + ".")))]
     if len(norms) > AUTO_LAYERS:
         last = len(norms) - 1

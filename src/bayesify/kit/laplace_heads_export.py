@@ -175,7 +175,7 @@ def _tap_copies(bnn: BayesianModel, family: nn.Module, name: str) -> list[Record
     :class:`RecordingTap`."""
     matches = [n for n, m in family.named_modules()
                if (n == name or n.endswith("." + name)) and heads.trunk.width(m)
-               and not n.endswith("." + BASE_LAYER)]
+               and base_name(n) == n]
     copies = [n for n in matches if not any(o.startswith(n + ".") for o in matches)]
     if not copies:
         raise BayesifyError(
