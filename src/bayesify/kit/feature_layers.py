@@ -232,12 +232,27 @@ def batch_sums(psi: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
             torch.tensor(float(psi.shape[0]), dtype=torch.float64, device=psi.device))
 
 
+#: the feature layers' posterior keeps its top ``RANK_FRACTION × N`` principal directions
+#: (N training examples): where the pooled features are wider than the examples span, a new
+#: example from the training distribution has components along directions the N examples
+#: never varied in (their sample variance ~0, their posterior variance 1/τ), which would count
+#: as distance for every input, not only for inputs unlike the training data
+RANK_FRACTION = 0.5
+
+
+def rank_kept(width: int, examples: float) -> int:
+    """Principal directions kept of a ``width``-wide feature posterior fitted on ``examples``."""
+    if RANK_FRACTION is None:
+        return width
+    return max(1, min(width, int(RANK_FRACTION * examples)))
+
+
 class TrunkPosterior:
     """``v(x) = ψ̃ᵀ (Ψ̃ᵀΨ̃/σ² + τI)⁻¹ ψ̃`` from the layer's sums (see the module docstring);
     ``widths``: the feature layers' widths, in order."""
 
     def __init__(self, sums: tuple[torch.Tensor, ...], widths: list[int],
-                 logit_std: float) -> None:
+                 logit_std: float, examples: float | None = None) -> None:
         total, outer, head_sq, count = sums
         n = count.clamp_min(1)
         self.mu = total / n
@@ -252,11 +267,12 @@ class TrunkPosterior:
             start += w
         self.scale = torch.cat(scales)
         a = n * second * torch.outer(self.scale, self.scale) / logit_std**2
-        eig, self.q = torch.linalg.eigh(a)
-        self.eig = eig.clamp_min(0)
+        eig, q = torch.linalg.eigh(a)  # ascending
+        keep = rank_kept(a.shape[0], float(n) if examples is None else examples)
+        self.eig, self.q = eig[-keep:].clamp_min(0), q[:, -keep:]
 
     def projections(self, psi: torch.Tensor) -> torch.Tensor:
-        """``[B, Σd]`` squared projections of ψ̃ on the eigenvectors (τ-free)."""
+        """``[B, R]`` squared projections of ψ̃ on the kept eigenvectors (τ-free)."""
         return (((psi.to(self.mu) - self.mu) * self.scale) @ self.q).square()
 
     def variance(self, psi: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:

@@ -522,7 +522,8 @@ def trunk_posterior(bnn: BayesianModel) -> trunk.TrunkPosterior | None:
                 f"laplace_heads: the saved feature-layer sums have width "
                 f"{buffers[TRUNK_ENTRIES[0]].shape[0]}, this model's feature layers {names} "
                 f"{sum(widths)}")
-        view = trunk.TrunkPosterior(tuple(buffers[n] for n in TRUNK_ENTRIES), widths, LOGIT_STD)
+        view = trunk.TrunkPosterior(tuple(buffers[n] for n in TRUNK_ENTRIES), widths, LOGIT_STD,
+                                    examples=float(buffers[_N]))
         view.names = names
     bnn.runtime[_TRUNK_CACHE] = view
     return view
