@@ -159,7 +159,7 @@ def test_summary_counts_posterior_state_and_names_weights():
     assert "random weights" in text and "0 trainable + 2105 state" in text
     kron = bayesify(model(), "laplace", structure="kron")
     fit(kron, loader(), progress=False)
-    assert "0 trainable + 112 state" in kron.summary()
+    assert "0 trainable + 186 state" in kron.summary()  # 112 + the feature layer's 74
     swag = bayesify(model(), "swag")
     assert "random weights per member: 709" in swag.summary()
     assert "random nodes per member: 17" in bayesify(model(), "ibnn").summary()

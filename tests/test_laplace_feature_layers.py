@@ -232,3 +232,46 @@ def test_save_and_load_are_exact_and_an_old_manifest_has_no_feature_layers(tmp_p
     assert loaded.method.config.feature_layers == ()
     torch.testing.assert_close(loaded.predictive(x).log_probs, old.predictive(x).log_probs)
     assert math.isfinite(float(loaded.predictive(x).log_probs.sum()))
+
+
+class _Tokens(nn.Module):
+    """Embedding → LayerNorm over [B, T, D] tokens, masked mean → classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 6)
+        self.norm = nn.LayerNorm(6)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.embed(input_ids))
+        m = attention_mask.unsqueeze(-1).float()
+        return self.fc((h * m).sum(1) / m.sum(1))
+
+
+def test_masked_token_sequences_keep_the_feature_layers_off(caplog):
+    """Pooling a LayerNorm's tokens would count the padding: with an attention mask among the
+    inputs the feature layers are not fitted, the predictive is the classifier's features'
+    alone, and trailing padding changes nothing."""
+    torch.manual_seed(0)
+    net = _Tokens().eval()
+    ids = torch.randint(1, 20, (32, 5))
+    mask = torch.ones_like(ids)
+    mask[::2, 3:] = 0
+    ids = ids * mask
+    data = TensorDataset(ids, mask, torch.randint(0, 3, (32,)))
+
+    def batches():
+        return [({"input_ids": i, "attention_mask": m}, y)
+                for i, m, y in DataLoader(data, batch_size=8)]
+
+    bnn = bayesify(net, "laplace", curvature="features", prior_method="fixed")
+    assert bnn.method.config.feature_layers == ("norm",)
+    with caplog.at_level(logging.INFO, logger="bayesify"):
+        fit(bnn, batches(), progress=False)
+    assert "stay off" in caplog.text and not trunk.fitted(next(iter(
+        m for m in bnn.modules() if hasattr(m, "trunk_count"))))
+    x = {"input_ids": ids[:4], "attention_mask": mask[:4]}
+    padded = {"input_ids": torch.cat([ids[:4], torch.zeros(4, 2, dtype=ids.dtype)], 1),
+              "attention_mask": torch.cat([mask[:4], torch.zeros(4, 2, dtype=mask.dtype)], 1)}
+    torch.testing.assert_close(bnn.predictor()(**padded).probs, bnn.predictor()(**x).probs)

@@ -200,6 +200,14 @@ def member_rows(calls: list[list[torch.Tensor | None]], names: list[str], widths
     return torch.cat(parts, dim=-1), missing
 
 
+def masked_tokens(inputs: Any) -> bool:
+    """Whether the model's inputs carry a mask (an ``attention_mask`` of padded token
+    sequences): pooling a layer's tokens would then count the padding, so the feature
+    layers stay off and the classifier's features alone decide the variance."""
+    kwargs = getattr(inputs, "kwargs", inputs if isinstance(inputs, dict) else {})
+    return any("mask" in str(k) for k in kwargs)
+
+
 def register_buffers(layer: nn.Module, total_width: int) -> None:
     """The sums on the classifier's ``LaplaceLayer`` (float64; zero until fitted)."""
     device = layer.n_data.device

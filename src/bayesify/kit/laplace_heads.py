@@ -226,7 +226,10 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
         for batch in ctx.batches():
             if n >= quota:
                 break
-            feats, logits, psi = member_inputs(bnn, batch.model_input(),
+            inputs = batch.model_input()
+            if names and trunk.masked_tokens(inputs):  # pooled tokens would count the padding
+                names, trunk_sums = [], None
+            feats, logits, psi = member_inputs(bnn, inputs,
                                                samples_per_component=samples, max_rows=1 << 30,
                                                seed=HEAD_SEED, names=names)
             if psi is not None:

@@ -98,7 +98,7 @@ class LaplaceStep(CurvatureStep):
         head = state.first(found)
         dtype = head.n_data.dtype
         if state.last_layer(bnn):
-            taps = self._taps(bnn)
+            taps = self._taps(bnn, inputs)
             with state.capturing(head), taps.installed() if taps else nullcontext():
                 logits = logits_of(call_model(bnn.model, inputs))
                 feats = self._features(head, logits, check=True)
@@ -129,10 +129,18 @@ class LaplaceStep(CurvatureStep):
         for layer in found.values():
             layer.n_data.add_(labels.shape[0])
 
-    def _taps(self, bnn: BayesianModel) -> trunk.Taps | None:
-        """The feature layers' hooks, where their sums are fitted (the feature curvature)."""
+    def _taps(self, bnn: BayesianModel, inputs: Any) -> trunk.Taps | None:
+        """The feature layers' hooks, where their sums are fitted (the feature curvature;
+        not for masked token sequences, whose pooled tokens would count the padding)."""
         names = list(self.config.feature_layers or ())
         if not names or self._curvature != "features":
+            return None
+        if trunk.masked_tokens(inputs):
+            if not self._warned:
+                self._warned = True
+                logger.info("laplace: the inputs carry a mask (padded token sequences); the "
+                            "feature layers %s stay off (pooling tokens would count the "
+                            "padding)", names)
             return None
         return trunk.Taps(bnn.model, names)
 
