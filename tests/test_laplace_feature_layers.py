@@ -275,3 +275,33 @@ def test_masked_token_sequences_keep_the_feature_layers_off(caplog):
     padded = {"input_ids": torch.cat([ids[:4], torch.zeros(4, 2, dtype=ids.dtype)], 1),
               "attention_mask": torch.cat([mask[:4], torch.zeros(4, 2, dtype=mask.dtype)], 1)}
     torch.testing.assert_close(bnn.predictor()(**padded).probs, bnn.predictor()(**x).probs)
+
+
+def test_wider_than_the_examples_span_keeps_the_top_principal_directions(monkeypatch):
+    """N examples of 12 pooled features: the posterior keeps its top RANK_FRACTION·N
+    eigen-directions (the rest were never varied in by the examples: their posterior variance
+    would be 1/τ for every input), exactly the brute force restricted to them; new examples of
+    the training distribution are then far nearer than with every direction, and those off it
+    stand out more."""
+    g = torch.Generator().manual_seed(0)
+    def draw(n):  # every one of the 12 features varies: 10 examples span 9 directions
+        return torch.randn(n, 12, generator=g, dtype=torch.float64)
+    psi, a = draw(10), torch.randn(10, 4, generator=g, dtype=torch.float64)
+    sums = trunk.batch_sums(psi, a)
+    view = trunk.TrunkPosterior(sums, [12], 10.0)
+    assert view.q.shape == (12, 5) and view.eig.shape == (5,)
+    mu = psi.mean(0)
+    s = float(torch.sqrt(a.square().sum(1).mean() / (psi - mu).square().sum(1).mean()))
+    cov = ((psi - mu) * s).T @ ((psi - mu) * s) / 100.0
+    eig, q = torch.linalg.eigh(cov)
+    x = torch.cat([draw(3), 5 * torch.randn(2, 12, generator=g, dtype=torch.float64)])
+    proj = (((x - mu) * s) @ q[:, -5:]).square()
+    torch.testing.assert_close(view.variance(x, 0.01), proj @ (1 / (eig[-5:] + 0.01)))
+    kept = view.variance(x, 1e-3)
+    monkeypatch.setattr(trunk, "RANK_FRACTION", None)  # every direction
+    full = trunk.TrunkPosterior(sums, [12], 10.0)
+    every = full.variance(x, 1e-3)
+    assert full.q.shape == (12, 12)
+    # the directions no example varied in made every new example far, near ones included
+    assert (every[:3] > 10 * kept[:3]).all()
+    assert kept[3:].min() > 3 * kept[:3].max()  # what is off the data still stands out
