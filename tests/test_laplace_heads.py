@@ -549,8 +549,10 @@ def test_the_heads_feature_layers_add_the_brute_force_variance_to_every_member()
     torch.testing.assert_close(bnn.predictive(x).probs.double(), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["ensemble", "ibnn", "batchensemble", "rank1", "hypernet",
-                                    "mnf", "epinet", "abnn", "dropout", "meanfield", "swag"])
+@pytest.mark.parametrize("method", [
+    "ensemble", "ibnn", "epinet", "abnn", "swag",  # stacked, tiled, shared, wrapped norms, vmapped
+    *(pytest.param(m, marks=pytest.mark.slow)
+      for m in ("batchensemble", "rank1", "hypernet", "mnf", "dropout", "meanfield"))])
 def test_exported_heads_with_feature_layers_equal_in_process(method: str, tmp_path) -> None:
     """pt2 / ONNX exports of heads whose variance reads BatchNorm and LayerNorm outputs of
     every member equal the in-process predictor to 1e-5 (probs and epistemic)."""

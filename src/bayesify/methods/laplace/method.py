@@ -8,7 +8,9 @@ Two modes, chosen from the targets:
   the softmax GGN, or (``curvature='features'``, the default when a ``val_loader``'s
   search chooses τ) that of a Gaussian likelihood on the logits, ``I ⊗ Σ ã ãᵀ / σ²``,
   whose GLM variance is a Mahalanobis distance of the features from the training
-  features (every example weighs alike; the GGN weighs each by ``p(1 − p)``);
+  features (every example weighs alike; the GGN weighs each by ``p(1 − p)``), with the
+  feature layers' distance at earlier depths added (``feature_layers``,
+  :mod:`bayesify.kit.feature_layers`);
 * **subnetwork** (any other targets, ``structure='diag'``): per-example Jacobians with
   ``torch.func`` (exact GGN diagonal, or a sampled Fisher).
 
