@@ -19,12 +19,14 @@ at earlier depths tells inputs unlike the training data apart where the last fea
 not (measured: ``benchmarks/RESULTS.md``, "Feature layers").
 
 Everything is summed in one pass (``Σψ``, ``Σψψᵀ``, ``Σ‖a‖²``, N): the centring and the
-scales follow from the moments, and the sums reduce over DDP ranks like the curvature.
+scales follow from the moments, and the sums reduce over DDP ranks like the curvature. The
+posterior keeps its top ``RANK_FRACTION · N`` principal directions (:func:`rank_kept`).
+Inputs that carry a mask (padded token sequences, :func:`masked_tokens`) leave the feature
+layers off: pooling their tokens would count the padding.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,8 +35,7 @@ import torch
 from torch import nn
 
 from bayesify.core.names import BASE_LAYER, base_name
-
-logger = logging.getLogger(__name__)
+from bayesify.errors import BayesifyError
 
 #: normalisation layers ``feature_layers='auto'`` chooses among
 NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
@@ -85,8 +86,6 @@ def auto_layers(model: nn.Module, classifier: str) -> list[str]:
 
 def check_layers(model: nn.Module, names: list[str]) -> list[int]:
     """The widths of ``names``; a clear error for a name that is not a normalisation layer."""
-    from bayesify.errors import BayesifyError
-
     modules = dict(model.named_modules())
     widths = []
     for name in names:
@@ -281,7 +280,7 @@ class TrunkPosterior:
 
     def projections(self, psi: torch.Tensor) -> torch.Tensor:
         """``[B, R]`` squared projections of ψ̃ on the kept eigenvectors (τ-free)."""
-        return (((psi.to(self.mu) - self.mu) * self.scale) @ self.q).square()
+        return projections(psi.to(self.mu), self.mu, self.scale, self.q)
 
     def variance(self, psi: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
         """``v [B]`` at τ."""
@@ -290,6 +289,21 @@ class TrunkPosterior:
     def export_tensors(self, tau: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"trunk_mu": self.mu, "trunk_scale": self.scale, "trunk_q": self.q,
                 "trunk_inv_eig": 1.0 / (self.eig + tau.reshape(-1)[0])}
+
+
+def projections(psi: torch.Tensor, mu: torch.Tensor, scale: torch.Tensor,
+                q: torch.Tensor) -> torch.Tensor:
+    """``[…, R]`` squared projections of the standardised ``ψ̃ = (ψ − μ)·s`` on the kept
+    eigenvectors ``q`` (the graph form too: :func:`distance`)."""
+    return (((psi - mu) * scale) @ q).square()
+
+
+def distance(psi: torch.Tensor, tensors: Any) -> torch.Tensor:
+    """``v [...]`` of pooled outputs ``ψ [..., Σd]`` from an exported module's buffers
+    (:meth:`TrunkPosterior.export_tensors`: ``trunk_mu``, ``trunk_scale``, ``trunk_q``,
+    ``trunk_inv_eig`` at the chosen τ) — the arithmetic of :meth:`TrunkPosterior.variance`."""
+    return projections(psi, tensors.trunk_mu, tensors.trunk_scale, tensors.trunk_q) \
+        @ tensors.trunk_inv_eig
 
 
 def add_variance(fvar: tuple[torch.Tensor, ...], v: torch.Tensor) -> tuple[torch.Tensor, ...]:

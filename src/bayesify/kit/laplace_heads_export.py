@@ -114,9 +114,7 @@ class HeadsMembers(nn.Module):
                 self._calls(), self.names, [heads.trunk.width(c[0].inner) for c in self.taps],
                 logits.shape[0], logits.shape[1], self.trunk_mu.dtype, logits.device,
                 modes=self.modes)
-            v = (((psi - self.trunk_mu) * self.trunk_scale) @ self.trunk_q).square() \
-                @ self.trunk_inv_eig
-            var = var + v.unsqueeze(-1).to(var)
+            var = var + heads.trunk.distance(psi, self).unsqueeze(-1).to(var)
         t = self.member_temperature
         return torch.stack([logits.to(var.dtype) / t, var / (t * t)]).float()
 

@@ -121,8 +121,7 @@ class LastLayerLaplace(nn.Module):
         diag, rowsum, _ = self.functional_variance(feats)
         if self.pools:  # the feature layers' v(x), the same for every class
             psi = torch.cat([self._pooled(p, a) for p in self.pools], dim=1)
-            v = ((((psi - self.trunk_mu) * self.trunk_scale) @ self.trunk_q).square()
-                 @ self.trunk_inv_eig).unsqueeze(-1).to(diag)
+            v = trunk.distance(psi, self).unsqueeze(-1).to(diag)
             diag, rowsum = diag + v, rowsum + v
         # the Gaussian over the logits: [3, B, C] = (mean, diag Σ_f, Σ_f 1); the link and
         # the uncertainty decomposition are applied by the exported predictor
