@@ -85,7 +85,7 @@ class HeadsMembers(nn.Module):
         self.member_temperature = float(member_temperature)
         object.__setattr__(self, "taps", taps or [])  # submodules of members already
         self.names = list(names or [])
-        self.modes: list[str] | None = None  # set by fix_modes before tracing
+        self.modes: list[str] | None = None  # set by _fix_modes before tracing
         for key, value in tensors.items():
             self.register_buffer(key, value.detach().clone())
 
