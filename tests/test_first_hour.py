@@ -226,6 +226,17 @@ def test_grid_edge_advice_names_the_option_that_exists():
     assert tuning._widen_advice(bayesify(model(), "laplace")).startswith("widen 'val_grid'")
     ensemble = _edge_warning("ensemble", components=2)
     assert "has no grid option" in ensemble and "calibrate" in ensemble
+    # the member-wise Laplace heads' τ is no family's option: SWAG's heads at τ = 1e-4 once
+    # advised widening SWAG's scale_grid
+    from bayesify.core.fitting import Knob
+
+    swag = bayesify(model(), "swag", laplace_heads=True)
+    heads = Knob(name="heads_prior_precision", grid=(1e-4, 1.0), meaning="τ",
+                 set=lambda _: None, prefer="smallest", widen="the heads' τ grid is fixed")
+    with pytest.warns(UserWarning, match="broadest end") as record:
+        tuning._warn_at_edge(swag, heads, [1e-4, 1.0], 0)
+    assert "the heads' τ grid is fixed" in str(record[0].message)
+    assert "scale_grid" not in str(record[0].message)
 
 
 def test_the_narrow_end_warning_says_what_the_search_saw_not_that_the_posterior_is_the_start():

@@ -232,13 +232,18 @@ def test_every_family_runs_under_torchrun(family, ddp_out):
 
 
 def test_posthoc_two_ranks_equal_one_process(ddp_out):
-    """Laplace (the feature layers' sums too): everything, predictions included. SWAG: the moments and the SWA solution
-    (the recomputed BatchNorm statistics are means over per-rank batches of half the
-    size, which no data order can make equal, so they and the predictions are not)."""
-    for family in ("laplace", "laplace-features", "swag"):
+    """Laplace (the feature layers' sums too) and the ensemble's member-wise Laplace heads
+    with feature layers (their sums, the searched τ and T): everything, predictions
+    included. SWAG: the moments and the SWA solution (the recomputed BatchNorm statistics
+    are means over per-rank batches of half the size, which no data order can make equal,
+    so they and the predictions are not)."""
+    for family in W.POSTHOC:
         single = W.run(family, 1)
         if family == "laplace-features":
             assert float(single["5.trunk_count"]) == 96 and single["5.trunk_outer"].abs().sum() > 0
+        if family == "ensemble-heads":
+            trunk = [k for k in single if k.endswith("trunk_count")]
+            assert trunk and float(single[trunk[0]]) > 0, sorted(single)
         for rank in (0, 1):
             dist = torch.load(ddp_out / f"{family}_rank{rank}.pt", weights_only=True)
             assert dist.keys() == single.keys()

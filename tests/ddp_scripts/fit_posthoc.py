@@ -6,7 +6,10 @@ loop on digits, with a fixed data order.
   must be all-reduced, never counted twice;
 - ``laplace-features``: the feature curvature with the feature layers' sums (the
   BatchNorm's pooled outputs), all-reduced like the curvature;
-- ``swag``: SGD snapshots from the pretrained CNN (with BatchNorm), seeded order.
+- ``swag``: SGD snapshots from the pretrained CNN (with BatchNorm), seeded order;
+- ``ensemble-heads``: the ensemble with ``val_loader``: its search, then member-wise
+  Laplace heads with the feature layers (the BatchNorm's pooled outputs in every member's
+  forward), their sums all-reduced and their τ × T searched on the sharded split.
 
 Writes OUT/<family>_rank<r>.pt: posterior tensors + member logits on a test batch.
 """
@@ -52,14 +55,27 @@ def run(family: str, world: int) -> dict[str, torch.Tensor]:
         bnn = bayesify(base_model(), "laplace", curvature="features", prior_method="fixed",
                        prior_precision=0.3)
         fit(bnn, loader, progress=False)
+    elif family == "ensemble-heads":  # the heads: fitted after the family's own search
+        xv, yv = data(64, seed=5)
+        torch.manual_seed(11)  # identical members on every rank
+        bnn = bayesify(base_model(), "ensemble")
+        fit(bnn, loader, val_loader=DataLoader(TensorDataset(xv, yv), batch_size=16),
+            epochs=1, seed=3, progress=False)
     else:
         bnn = bayesify(base_model(), "swag", snapshot_every_steps=1, predict_samples=3,
                        lr=0.05, scale_method="fixed")
         fit(bnn, loader, epochs=2, seed=3, progress=False)
     out = {k: v.detach().clone() for k, v in bnn.posterior_tensors().items()}
-    out["_member_logits"] = bnn.predictor().predict(data(8, seed=1)[0]).member_logits
+    prediction = bnn.predictor().predict(data(8, seed=1)[0])
+    out["_member_logits"] = prediction.member_logits
+    out["_probs"] = prediction.probs
+    if family == "ensemble-heads":
+        out["_temperature"] = torch.tensor(float(bnn.state.temperature))
     return out
 
+
+#: the cases of :func:`run`
+POSTHOC = ("laplace", "laplace-features", "swag", "ensemble-heads")
 
 #: families whose fit draws no noise: 2 ranks must equal 1 process, not only each other
 NOISE_FREE = ("laplace", "swag", "batchensemble", "ensemble")
@@ -82,7 +98,7 @@ def main(out_dir: str) -> None:
     from bayesify import list_methods
 
     ctx = setup_distributed(None, torch.device("cpu"))
-    for family in ("laplace", "laplace-features", "swag"):
+    for family in POSTHOC:
         torch.save(run(family, ctx.world_size), Path(out_dir) / f"{family}_rank{ctx.rank}.pt")
     for family in list_methods():
         torch.save(run_default(family, ctx.world_size),

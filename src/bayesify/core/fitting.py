@@ -72,7 +72,9 @@ class Knob:
     ``broad_limit``: ``True`` when the broadest grid value already gives the posterior's limit
     (a GLM prior precision far below every curvature eigenvalue: nothing broader changes a
     variance by more than a per cent), so a choice there is not the grid's doing and is
-    not warned about (``None``: always warned about).
+    not warned about (``None``: always warned about); ``widen``: what a user can do when the
+    choice sits at the broad end (``None``: the family's grid option or prior, found by the
+    driver) — for a knob whose grid is not the family's option.
     """
 
     name: str
@@ -88,6 +90,7 @@ class Knob:
     walk: bool = True
     one_sample_at: float | None = None
     broad_limit: Callable[[], bool] | None = None
+    widen: str | None = None
 
 
 @dataclass(frozen=True)

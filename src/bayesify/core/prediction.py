@@ -46,15 +46,19 @@ def decomposition(tempered_total: torch.Tensor, total: torch.Tensor,
     return (tempered_total - epistemic).clamp_min(0), epistemic
 
 
-def gaussian_expected_entropy(mean: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
+def gaussian_expected_entropy(mean: torch.Tensor, variance: torch.Tensor,
+                              noise: torch.Tensor | None = None) -> torch.Tensor:
     """``[B]`` expected entropy ``E_m E_z H(softmax(f_m + √v_m · z))`` of a mixture of
     Gaussians over the logits (``mean`` / ``variance [M, B, C]``), over the fixed draws of
-    :func:`gaussian_noise` — the aleatoric part of a mixture whose members carry a posterior
-    spread of their own (member-wise Laplace heads). One member at a time in memory."""
-    z = gaussian_noise(mean.shape[-1]).to(mean.device)  # [S, 1, C]
-    total = torch.zeros(mean.shape[1], dtype=torch.float32, device=mean.device)
+    :func:`gaussian_noise` (``noise [S, 1, C]``: the same draws, e.g. an exported module's
+    buffer) — the aleatoric part of a mixture whose members carry a posterior spread of their
+    own (member-wise Laplace heads), and of one Gaussian (``M = 1``). One member at a time in
+    memory."""
+    z = gaussian_noise(mean.shape[-1]).to(mean.device) if noise is None else noise
+    total = None
     for m, v in zip(mean.float(), variance.float()):
-        total += metrics.expected_entropy((m + v.clamp_min(0).sqrt() * z).softmax(-1))
+        part = metrics.expected_entropy((m + v.clamp_min(0).sqrt() * z).softmax(-1))
+        total = part if total is None else total + part
     return total / mean.shape[0]
 
 

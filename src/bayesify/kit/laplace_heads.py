@@ -399,7 +399,11 @@ def heads_knob(bnn: BayesianModel) -> list[Knob]:
                  set=lambda tau: set_prior_precision(bnn, tau), prefer="smallest", initial=None,
                  sharpens=True,
                  grid_log_probs=lambda x: grid_log_probs(bnn, x, grid),
-                 broad_limit=lambda: prior_is_negligible(_posterior(bnn).eig, min(grid)))]
+                 broad_limit=lambda: prior_is_negligible(_posterior(bnn).eig, min(grid)),
+                 widen=(f"the heads' τ grid is fixed ({TAU_GRID[0]:g} to {TAU_GRID[1]:g}): the "
+                        "validation data asked for more spread off the data than the heads "
+                        "give; a shift_loader showing the shift you expect decides it better "
+                        "than the library's perturbations"))]
 
 
 @torch.no_grad()

@@ -140,13 +140,13 @@ class GaussianExportedPredictor(nn.Module):
         self.register_buffer("noise", gaussian_noise(num_classes))
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        from bayesify.core.prediction import gaussian_log_probs
+        from bayesify.core.prediction import gaussian_expected_entropy, gaussian_log_probs
 
         mean, var, rowsum = self.moments(*args, **kwargs).float().unbind(0)
         log_probs = gaussian_log_probs(mean, var, self.link, rowsum=rowsum,
                                        total=rowsum.sum(-1))
-        member_probs = (mean + var.clamp_min(0).sqrt() * self.noise).softmax(-1)  # [S, B, C]
-        return _tempered_outputs(log_probs, _entropy(member_probs).mean(0), self.temperature)
+        aleatoric = gaussian_expected_entropy(mean[None], var[None], self.noise)
+        return _tempered_outputs(log_probs, aleatoric, self.temperature)
 
 
 class GaussianMembersExportedPredictor(nn.Module):
@@ -168,14 +168,13 @@ class GaussianMembersExportedPredictor(nn.Module):
         self.log_members = math.log(num_members)
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        from bayesify.core.prediction import gaussian_log_probs
+        from bayesify.core.prediction import gaussian_expected_entropy, gaussian_log_probs
 
         mean, var = self.members(*args, **kwargs).float().unbind(0)  # [M, B, C] each
         member_log_probs = gaussian_log_probs(mean, var, self.members.gaussian_members)
         log_probs = torch.logsumexp(member_log_probs, dim=0) - self.log_members
-        aleatoric = sum(_entropy((mean[m] + var[m].clamp_min(0).sqrt() * self.noise)
-                                 .softmax(-1)).mean(0) for m in range(self.num_members))
-        return _tempered_outputs(log_probs, aleatoric / self.num_members, self.temperature)
+        return _tempered_outputs(log_probs, gaussian_expected_entropy(mean, var, self.noise),
+                                 self.temperature)
 
 
 def build_exported_predictor(predictor: BasePredictor, example_input: Any) -> nn.Module:

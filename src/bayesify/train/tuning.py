@@ -9,7 +9,7 @@ every candidate twice:
 * **clean**: the per-example NLL on the validation split; a candidate is *feasible* when the
   split cannot tell it from the starting network at its own best temperature (within one
   paired standard error of start + temperature scaling) and vouches that it gives up at most
-  0.005 nats (:data:`bayesify.core.selection.CLEAN_TOLERANCE`, one SE above its mean), and
+  0.005 nats (:data:`bayesify.core.selection.CLEAN_TOLERANCE`, 1.5 SE above its mean), and
   its clean validation accuracy is at most one point below the start's
   (:data:`~bayesify.core.selection.ACCURACY_TOLERANCE`);
 * **shifted**: the per-example NLL on shifted copies of the same inputs — the user's
@@ -646,7 +646,7 @@ def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: in
         warnings.warn(
             f"{bnn.method_name}: the validation search chose {knob.name} = {value:g}, the "
             f"broadest end of its grid ({knob.meaning}): the best value may lie beyond it; "
-            f"{_widen_advice(bnn)}", stacklevel=3)
+            f"{knob.widen or _widen_advice(bnn)}", stacklevel=3)
 
 
 def _widen_advice(bnn: BayesianModel) -> str:

@@ -21,6 +21,7 @@ from bayesify.core.names import base_name
 from bayesify.core.outputs import logits_of
 from bayesify.core.state import derived
 from bayesify.errors import BayesifyError
+from bayesify.kit import feature_layers
 from bayesify.kit.steps import count_correct, keeps_accuracy
 from bayesify.methods.swag import posterior as post
 from bayesify.methods.swag.batchnorm import recompute_batchnorm
@@ -93,8 +94,9 @@ def sample(bnn: BayesianModel, config: SWAGConfig, member: int,
 def recompute(bnn: BayesianModel, config: SWAGConfig,
               params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Statistics of the network at ``params`` keyed ``"<bn>.running_mean"`` etc."""
-    stats = recompute_batchnorm(bnn.model, params, bnn.runtime[BN_SOURCE],
-                                fraction=config.bn_update_fraction)
+    with feature_layers.paused():  # not the rows a member forward predicts (heads' taps)
+        stats = recompute_batchnorm(bnn.model, params, bnn.runtime[BN_SOURCE],
+                                    fraction=config.bn_update_fraction)
     return {base_name(k): v for k, v in stats.items() if not k.endswith("num_batches_tracked")}
 
 
