@@ -386,3 +386,18 @@ def test_the_walk_scores_a_spread_knob_at_zero_with_one_sample(monkeypatch):
     assert {(v, c) for v, c, _ in asked} == {(v, c) for v in values for c in (True, False)}
     for value, _, samples in asked:
         assert samples == (1 if value == 0.0 else None), (value, samples)
+
+
+def test_a_batchs_copies_follow_its_position_in_the_split():
+    """Under DDP a rank's batches are drawn from their position in the whole split
+    (``first_index``: the batches of the ranks before it), so shards of whole batches see
+    the copies one process would (the search then chooses what one process would:
+    ``tests/test_one_loop.py``, the ensemble's heads on 2 ranks)."""
+    from dataclasses import replace
+
+    batch = Batch((torch.randn(8, 3, 4, 4),), {}, torch.zeros(8, dtype=torch.long))
+    one = ShiftSignal({"noise": 0.5, "mix": 0.5}, seed=3)
+    ranked = replace(one, first_index=2)
+    for got, want in zip(ranked.copies(batch, 1), one.copies(batch, 3), strict=True):
+        assert torch.equal(got.args[0], want.args[0])
+    assert not torch.equal(one.copies(batch, 1)[0].args[0], one.copies(batch, 3)[0].args[0])

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.batch import Batch, BatchFn, replayed_order
+from bayesify.core.batch import Batch, BatchFn, iter_batches, replayed_order
 from bayesify.core.fitting import BatchSource, Knob, Step
 from bayesify.train import steps
 from bayesify.train.data import TrainData, epoch_batches, first_rows, shard_batches
@@ -173,6 +173,13 @@ class TrainContext:
     def gradient_step(self, batch: Batch) -> dict[str, float] | None:
         return steps.train_step(self, batch)
 
+    def whole_val_batches(self) -> Iterator[Batch]:
+        """The whole validation loader as one process streams it (the shift signal's
+        calibration on the main process: the same on any number of ranks)."""
+        if self.val_loader is None:
+            raise RuntimeError("fit got no validation loader")
+        return iter_batches(self.val_loader, device=self.bnn.device, batch_fn=self.batch_fn)
+
     def shift_batches(self) -> Iterator[Batch]:
         """This rank's shard of the shift loader, one batch at a time, on the device."""
         if self.shift_loader is None:
@@ -185,7 +192,7 @@ class TrainContext:
         return search_knobs(self.bnn, knobs, self.val_batches, self.ctx,
                             shift_batches=self.shift_batches if self.shift_loader is not None
                             else None, progress=self.show_progress and self.is_main, keep=keep,
-                            start=start)
+                            start=start, whole_batches=self.whole_val_batches)
 
     def clean_scores(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``[n]`` per-example clean validation NLL and error of the predictive as it is now."""

@@ -120,9 +120,15 @@ class ShiftSignal:
 
     levels: dict[str, float] = field(default_factory=dict)
     seed: int = 0
+    #: this process's first batch's position in the whole split (the ranks before it hold
+    #: that many batches): a batch's copies are drawn from its position in the split, so
+    #: shards of whole batches get the copies one process would
+    first_index: int = 0
 
     def copies(self, batch: Batch, index: int) -> list[Batch]:
-        return [perturb(batch, kind, level, seed=self.seed + 1009 * index + 17 * i)
+        """``index``: the batch's position in this process's shard."""
+        position = self.first_index + index
+        return [perturb(batch, kind, level, seed=self.seed + 1009 * position + 17 * i)
                 for i, (kind, level) in enumerate(sorted(self.levels.items()))]
 
     def describe(self) -> dict[str, float]:

@@ -57,6 +57,7 @@ process would. The curves go into the record::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -66,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from bayesify.core.batch import Batch, BatchFn, call_model
+from bayesify.core.batch import Batch, BatchFn, call_model, iter_batches
 from bayesify.core.fitting import Knob
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import temper
@@ -282,19 +283,25 @@ def grid_nll(log_probs_of: Callable[[Any], list[torch.Tensor]], batches: Batches
 
 @torch.no_grad()
 def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
-                   signal: bool) -> tuple[torch.Tensor, int, list[int], torch.Tensor,
-                                          float, ShiftSignal | None]:
+                   signal: bool, whole_batches: Batches | None = None,
+                   ) -> tuple[torch.Tensor, int, list[int], torch.Tensor, float,
+                              ShiftSignal | None]:
     """The starting network's per-example clean NLL at its best temperature ``[n]`` (from
     its own :func:`network_floor` up, for every family), that temperature's index, the indices
     of the temperatures the search may give ``bnn``, the start's per-example error ``[n]``,
-    its :func:`network_floor` and the shift signal calibrated on the start (``signal``)."""
+    its :func:`network_floor` and the shift signal calibrated on the start (``signal``).
+
+    The signal's strengths are calibrated by the main process on ``whole_batches`` (the
+    split as one process streams it: the same examples and batches on any number of ranks;
+    without it, the main process's shard) and broadcast; each rank's copies are drawn from
+    its batches' positions in the split (``ShiftSignal.first_index``)."""
     base = bnn.unwrap().eval()
 
     def logits(batch: Batch) -> torch.Tensor:
         return logits_of(call_model(base, batch.model_input())).float()
 
-    per_t, errors = _split(_gather([_base_nll(logits(batch), batch) for batch in batches()],
-                                   ctx))
+    parts = [_base_nll(logits(batch), batch) for batch in batches()]
+    per_t, errors = _split(_gather(parts, ctx))
     floor = network_floor(per_t)
     columns = _at_least(temperature_floor(bnn, floor))
     # the reference: start + temperature scaling over the network's own range, for every
@@ -305,8 +312,12 @@ def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
     best = own[int(per_t[own].mean(1).argmin())]
     shift = None
     if signal:
-        local = calibrate_shift(logits, batches) if ctx.is_main or not ctx.distributed else None
+        source = whole_batches or batches
+        local = calibrate_shift(logits, source) if ctx.is_main or not ctx.distributed else None
         shift = broadcast_object(local, ctx) if ctx.distributed else local
+        if ctx.distributed:  # the batches of the ranks before this one
+            counts = all_gather_objects(len(parts), ctx)
+            shift = dataclasses.replace(shift, first_index=sum(counts[:ctx.rank]))
     return per_t[best], best, columns, errors, floor, shift
 
 
@@ -338,7 +349,8 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                  shift_batches: Batches | None = None, temperature: bool = True,
                  progress: bool = False,
                  keep: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 start: dict[str, Any] | None = None) -> dict[str, Any]:
+                 start: dict[str, Any] | None = None,
+                 whole_batches: Batches | None = None) -> dict[str, Any]:
     """Choose every knob in turn, each jointly with the temperature (see the module
     docstring); installs the choice and returns the record.
 
@@ -363,7 +375,8 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     try:
         point = start.get("point") if start is not None else None
         if point is None:
-            point = starting_point(bnn, batches, ctx, signal=shift_batches is None)
+            point = starting_point(bnn, batches, ctx, signal=shift_batches is None,
+                                   whole_batches=whole_batches)
             if start is not None:
                 start["point"] = point
         reference, start_t, allowed, start_errors, floor, shift = point
@@ -742,10 +755,14 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | N
     def shifted() -> Iterator[Batch]:
         return shard_batches(shift_loader, ctx, device=bnn.device, batch_fn=batch_fn)
 
+    def whole() -> Iterator[Batch]:
+        return iter_batches(val_loader, device=bnn.device, batch_fn=batch_fn)
+
     def search(knobs: list[Knob], **kwargs: Any) -> dict[str, Any]:
         return search_knobs(bnn, knobs, batches, ctx,
                             shift_batches=shifted if shift_loader is not None else None,
-                            temperature=temperature, progress=progress, **kwargs)
+                            temperature=temperature, progress=progress,
+                            whole_batches=whole, **kwargs)
 
     heads = laplace_heads.enabled(bnn)
     with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):  # only rank 0 warns
