@@ -186,9 +186,8 @@ def test_fit_with_validation_searches_tau() -> None:
 
 
 def test_on_by_default_where_they_apply_and_any_samples_per_component_predicts() -> None:
-    """On by default in every family but laplace (which is one and refuses them) and SWAG
-    (an option there: mixed on the quality protocols, benchmarks/results/session14.md); the
-    heads are per component, so a prediction with more samples per component than the fit
+    """On by default in every family but laplace (which is one and refuses them; SWAG's
+    since the seventeenth stop, benchmarks/results/session17.md); the heads are per component, so a prediction with more samples per component than the fit
     used is the same mixture over more members (each in its component's factors)."""
     from bayesify import list_methods
     from bayesify.core.registry import get_method_class
@@ -197,7 +196,7 @@ def test_on_by_default_where_they_apply_and_any_samples_per_component_predicts()
         config = get_method_class(method).config_cls
         supported = not getattr(get_method_class(method), "laplace_heads_unsupported", "")
         assert supported is (method != "laplace"), method
-        assert config.from_kwargs(method, {}).laplace_heads is (method not in ("laplace", "swag"))
+        assert config.from_kwargs(method, {}).laplace_heads is (method != "laplace")
     bnn = _fitted("ibnn", components=2, predict_samples=2)
     x = _data(4)[0]
     more = bnn.predictive(x, samples_per_component=5)
