@@ -20,10 +20,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.batch import Batch, BatchFn, iter_batches, replayed_order
+from bayesify.core.batch import Batch, BatchFn, replayed_order
 from bayesify.core.fitting import BatchSource, Knob, Step
 from bayesify.train import steps
-from bayesify.train.data import TrainData, epoch_batches, first_rows, shard_batches
+from bayesify.train.data import (
+    TrainData,
+    epoch_batches,
+    first_rows,
+    shard_batches,
+    whole_batches,
+)
 from bayesify.train.distributed import DistContext, all_reduce_mean, all_reduce_sum
 from bayesify.train.tuning import installed_scores, search_knobs
 
@@ -178,7 +184,7 @@ class TrainContext:
         calibration on the main process: the same on any number of ranks)."""
         if self.val_loader is None:
             raise RuntimeError("fit got no validation loader")
-        return iter_batches(self.val_loader, device=self.bnn.device, batch_fn=self.batch_fn)
+        return whole_batches(self.val_loader, device=self.bnn.device, batch_fn=self.batch_fn)
 
     def shift_batches(self) -> Iterator[Batch]:
         """This rank's shard of the shift loader, one batch at a time, on the device."""

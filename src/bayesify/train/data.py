@@ -268,6 +268,13 @@ def shard_batches(loader: Iterable, ctx: DistContext, *, device: torch.device,
     return limited_batches(shard, fraction=fraction, device=device, batch_fn=batch_fn)
 
 
+def whole_batches(loader: Iterable, *, device: torch.device,
+                  batch_fn: BatchFn | None) -> Iterator[Batch]:
+    """Every batch of ``loader`` as one process streams it, on any rank (the search's shift
+    signal is calibrated on it by the main process: the same on any number of ranks)."""
+    return iter_batches(loader, device=device, batch_fn=batch_fn)
+
+
 def training_set_size(loader: Iterable, *, batch_fn: BatchFn | None = None) -> int:
     """N_train: ``len(loader.dataset)``; a loader without a ``dataset`` (a list of batches, a
     generator) is refused with what N_train is for and how to pass it — after the checks

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from bayesify.core.batch import Batch, BatchFn, call_model, iter_batches
+from bayesify.core.batch import Batch, BatchFn, call_model
 from bayesify.core.fitting import Knob
 from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import temper
@@ -82,7 +82,7 @@ from bayesify.errors import BayesifyError
 from bayesify.kit import laplace_heads
 from bayesify.metrics import per_example_nll
 from bayesify.progress import progress_bar
-from bayesify.train.data import shard_batches
+from bayesify.train.data import shard_batches, whole_batches
 from bayesify.train.distributed import (
     DistContext,
     all_gather_objects,
@@ -756,7 +756,7 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | N
         return shard_batches(shift_loader, ctx, device=bnn.device, batch_fn=batch_fn)
 
     def whole() -> Iterator[Batch]:
-        return iter_batches(val_loader, device=bnn.device, batch_fn=batch_fn)
+        return whole_batches(val_loader, device=bnn.device, batch_fn=batch_fn)
 
     def search(knobs: list[Knob], **kwargs: Any) -> dict[str, Any]:
         return search_knobs(bnn, knobs, batches, ctx,
