@@ -125,6 +125,19 @@ def test_readme_has_a_table_of_contents_naming_every_section():
     assert README.count("**How long") == 1  # said once
 
 
+def test_readme_family_table_describes_every_family():
+    """The "Posterior families" table names what each family injects, one row each (a
+    regenerated quality table once overwrote six of its rows with figures)."""
+    import bayesify
+
+    table = README.split("## Posterior families", 1)[1].split("\n\n", 2)[1]
+    rows = [r for r in table.splitlines() if r.startswith("| `")]
+    assert sorted(r.split("`")[1] for r in rows) == sorted(bayesify.list_methods())
+    for row in rows:
+        injected = row.split(" | ")[1]
+        assert not re.match(r"^[-+]?\d", injected), f"not a description: {row[:80]}"
+
+
 def test_readme_layout_lists_every_example():
     layout = README.split("## Layout", 1)[1]
     for path in sorted((ROOT / "examples").glob("*.py")):
