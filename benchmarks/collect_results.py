@@ -60,6 +60,17 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session17.md", "A stricter clean rule (1.5 SE), SWAG's heads fixed and on by "
+             "default, the search's shift signal under torchrun",
+             "python benchmarks/quality.py --protocol P --seeds 0 1 2 --save-seeds --methods "
+             "abnn batchensemble dropout ensemble epinet hypernet ibnn laplace meanfield mnf "
+             "rank1 swag deep-ensemble-x5 laplace-torch (without the cache: the fit column); "
+             "--methods swag --variant swag-h swag laplace_heads=True; the clean rule's "
+             "multiple patched in for the sweep; BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 "
+             "pytest -m slow tests/test_stress_pretrained.py::"
+             "test_every_family_with_defaults_on_every_trap -k 'True and (...)' / -k swag; "
+             "python benchmarks/which_family.py ...; python benchmarks/lite0_families.py "
+             "--classes 10 --seed 0 --families swag; bayesify demo; the text is written by hand"),
         Part("session16.md", "Feature layers: the posterior sees earlier depths (Laplace and "
              "every family's heads); the heads' spread counts as epistemic",
              "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol P --seeds 0 1 2 "
