@@ -198,7 +198,7 @@ class TrainContext:
         return search_knobs(self.bnn, knobs, self.val_batches, self.ctx,
                             shift_batches=self.shift_batches if self.shift_loader is not None
                             else None, progress=self.show_progress and self.is_main, keep=keep,
-                            start=start, whole_batches=self.whole_val_batches)
+                            start=start, whole_split=self.whole_val_batches)
 
     def clean_scores(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``[n]`` per-example clean validation NLL and error of the predictive as it is now."""

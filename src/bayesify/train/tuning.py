@@ -283,7 +283,7 @@ def grid_nll(log_probs_of: Callable[[Any], list[torch.Tensor]], batches: Batches
 
 @torch.no_grad()
 def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
-                   signal: bool, whole_batches: Batches | None = None,
+                   signal: bool, whole_split: Batches | None = None,
                    ) -> tuple[torch.Tensor, int, list[int], torch.Tensor, float,
                               ShiftSignal | None]:
     """The starting network's per-example clean NLL at its best temperature ``[n]`` (from
@@ -291,7 +291,7 @@ def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
     of the temperatures the search may give ``bnn``, the start's per-example error ``[n]``,
     its :func:`network_floor` and the shift signal calibrated on the start (``signal``).
 
-    The signal's strengths are calibrated by the main process on ``whole_batches`` (the
+    The signal's strengths are calibrated by the main process on ``whole_split`` (the
     split as one process streams it: the same examples and batches on any number of ranks;
     without it, the main process's shard) and broadcast; each rank's copies are drawn from
     its batches' positions in the split (``ShiftSignal.first_index``)."""
@@ -312,7 +312,7 @@ def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
     best = own[int(per_t[own].mean(1).argmin())]
     shift = None
     if signal:
-        source = whole_batches or batches
+        source = whole_split or batches
         local = calibrate_shift(logits, source) if ctx.is_main or not ctx.distributed else None
         shift = broadcast_object(local, ctx) if ctx.distributed else local
         if ctx.distributed:  # the batches of the ranks before this one
@@ -350,7 +350,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                  progress: bool = False,
                  keep: tuple[torch.Tensor, torch.Tensor] | None = None,
                  start: dict[str, Any] | None = None,
-                 whole_batches: Batches | None = None) -> dict[str, Any]:
+                 whole_split: Batches | None = None) -> dict[str, Any]:
     """Choose every knob in turn, each jointly with the temperature (see the module
     docstring); installs the choice and returns the record.
 
@@ -366,7 +366,10 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
 
     ``start``: a dict shared by consecutive searches of one model state and split (the
     family's, then its heads'): the first fills it with :func:`starting_point`'s result, the
-    next reuse it instead of another pass of the start over the split and its shift ladder."""
+    next reuse it instead of another pass of the start over the split and its shift ladder.
+
+    ``whole_split``: the validation split as one process streams it, unsharded (the shift
+    ladder's calibration on the main process: :func:`starting_point`)."""
     if not knobs and not temperature:
         return {}
     record: dict[str, Any] = {}
@@ -376,7 +379,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
         point = start.get("point") if start is not None else None
         if point is None:
             point = starting_point(bnn, batches, ctx, signal=shift_batches is None,
-                                   whole_batches=whole_batches)
+                                   whole_split=whole_split)
             if start is not None:
                 start["point"] = point
         reference, start_t, allowed, start_errors, floor, shift = point
@@ -762,7 +765,7 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | N
         return search_knobs(bnn, knobs, batches, ctx,
                             shift_batches=shifted if shift_loader is not None else None,
                             temperature=temperature, progress=progress,
-                            whole_batches=whole, **kwargs)
+                            whole_split=whole, **kwargs)
 
     heads = laplace_heads.enabled(bnn)
     with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):  # only rank 0 warns
