@@ -229,6 +229,45 @@ def test_a_kept_state_still_infeasible_is_weighed_against_the_searched_start(sta
     assert record["kept"] == "start" and record["kept_val_nll"] == 0.29
 
 
+@pytest.mark.parametrize("start_nll, start_shift, kept", [
+    (0.303, 1.4, "start"),  # both feasible: the lower shifted NLL, whatever the clean one
+    (0.290, 2.0, "last"),
+    (0.310, 1.0, "last"),  # the start infeasible (> 0.3 + 0.005), the kept state feasible
+])
+def test_a_state_rescued_by_its_heads_and_the_start_are_weighed_by_the_search_rule(
+        start_nll, start_shift, kept):
+    """BestState.retry_start after member-wise Laplace heads rescued the trained state: both
+    searched states feasible → the lower shifted validation NLL (the knob search's rule), not
+    the lower clean one; a feasible state beats an infeasible one."""
+    from types import SimpleNamespace
+
+    from bayesify.train.best import BestState
+
+    net = nn.Linear(2, 2)
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+    start = {k: v.clone() for k, v in net.state_dict().items()}
+    with torch.no_grad():
+        net.weight.fill_(2.0)
+    best = BestState.__new__(BestState)
+    best.state = SimpleNamespace(bnn=net, ctx=SimpleNamespace(is_main=True))
+    best.active, best.start_state, best.initial = True, None, start
+
+    def retune():
+        at_start = bool(torch.all(net.weight == 1.0))
+        nll, shift = (start_nll, start_shift) if at_start else (0.301, 1.8)
+        return ({"knob": 0.0 if at_start else 1.0, "val_nll": nll, "val_shift_nll": shift},
+                {"val_nll": nll, "val_accuracy": 0.9})
+
+    record = {"kept": "last", "kept_val_nll": 0.301, "kept_val_accuracy": 0.9, "knob": 1.0,
+              "val_shift_nll": 1.8, "start_tempered_val_nll": 0.3, "family_val_nll": 0.32}
+    best.retry_start(record, retune)
+    assert record["kept"] == kept
+    assert torch.all(net.weight == (1.0 if kept == "start" else 2.0))
+    if kept == "start":
+        assert record["kept_val_shift_nll"] == start_shift and record["knob"] == 0.0
+
+
 def test_only_the_handed_back_states_search_speaks(pretrained, monkeypatch):
     """The search's warnings are about the state it searched: when the never-worse rule hands
     back another state (searched again), the discarded state's are not shown (a held-out
