@@ -161,8 +161,8 @@ def test_prediction_is_reproducible_and_chunk_independent():
 def test_sampled_statistics_do_not_depend_on_the_passes_before(own_generator):
     """A member's recomputed BatchNorm statistics depend on the posterior and its seed, not on
     how many passes came before: with a shuffling training loader (its own generator, or the
-    global RNG) a scale predicts the same after other scales were installed, and neither RNG
-    stream is moved by the pass."""
+    global RNG) a scale predicts the same after other scales were installed and another pass
+    over the loader, and neither RNG stream is moved by the pass."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(48, 1, 6, 6, generator=g)
     y = torch.randint(0, 3, (48,), generator=g)
@@ -178,6 +178,8 @@ def test_sampled_statistics_do_not_depend_on_the_passes_before(own_generator):
 
     first = member_logits(0.5)
     member_logits(30.0)
+    for _ in loader:  # another pass moves the loader's RNG (the Laplace heads' curvature)
+        pass
     member_logits(2.0)
     loader_state = loader.generator.get_state() if own_generator else None
     global_state = torch.random.get_rng_state()

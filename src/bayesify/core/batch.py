@@ -434,18 +434,23 @@ def rng_devices(device: torch.device | str | None) -> list[int]:
 def replayed_order(batches: Iterable[Batch], loader: Any,
                    device: torch.device | str | None = None) -> Iterator[Batch]:
     """``batches`` (an iterator over ``loader`` not started yet) drawn in the same order at
-    every call: the loader's own ``generator`` (a shuffling ``DataLoader`` given one) is put
-    back to its state afterwards, and the global RNG (a ``DataLoader`` without one draws its
-    order and worker seeds from it) is forked and seeded with :data:`ORDER_SEED` while the
-    batches are drawn and restored after. For passes whose result should depend on the model
-    alone, not on how many passes came before: SWAG's BatchNorm statistics of a sampled
-    network (a shuffled pass changes the batches' composition, hence the statistics of
-    every BatchNorm after the first; the validation search scored one SWAG scale 0.001–0.002
-    nats apart depending on which scales it had scored first, as much as its feasibility
-    margin)."""
+    every call: the loader's own ``generator`` (a shuffling ``DataLoader`` given one) is
+    seeded with :data:`ORDER_SEED` while the batches are drawn and put back to its state
+    afterwards, and the global RNG (a ``DataLoader`` without one draws its order and worker
+    seeds from it) is forked and seeded the same way and restored after. For passes whose
+    result should depend on the model alone, not on how many passes came before: SWAG's
+    BatchNorm statistics of a sampled network (a shuffled pass changes the batches'
+    composition, hence the statistics of every BatchNorm after the first; the validation
+    search scored one SWAG scale 0.001–0.002 nats apart depending on which scales it had
+    scored first, as much as its feasibility margin). (Put back but not seeded, the order
+    followed whatever pass had advanced the generator last: the Laplace heads' curvature
+    pass over the training loader came between the search's statistics and a fresh
+    recomputation, which then predicted up to 0.66 nats apart on the CNN protocol's seed 0.)"""
     generator = getattr(loader, "generator", None)
     state = generator.get_state() if isinstance(generator, torch.Generator) else None
     try:
+        if state is not None:
+            generator.manual_seed(ORDER_SEED)
         with torch.random.fork_rng(devices=rng_devices(device)):
             torch.manual_seed(ORDER_SEED)
             yield from batches
