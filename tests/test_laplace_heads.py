@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import BayesifyError, bayesify, fit
+from bayesify.kit import feature_layers as trunk
 from bayesify.kit import laplace_heads as heads
 
 
@@ -528,8 +529,9 @@ def _fitted_norm(method: str = "ensemble", **options) -> object:
 
 def test_the_heads_feature_layers_add_the_brute_force_variance_to_every_member() -> None:
     """With normalisation layers before the classifier every member's variance gains
-    ``ψ̃_mᵀ (Ψ̃ᵀΨ̃/σ² + τI)⁻¹ ψ̃_m`` (the sums over every member's training rows, each layer
-    standardised to the heads' mean squared feature norm), the same for every class."""
+    ``ψ̃_mᵀ (Ψ̃ᵀΨ̃/σ² + τI)⁻¹ ψ̃_m`` (the second moment over every member's training rows
+    times the N training examples, each layer standardised to the heads' mean squared feature
+    norm), the same for every class."""
     bnn = _fitted_norm("ensemble", components=3)
     view = heads.trunk_posterior(bnn)
     assert view is not None and view.names == ["1", "4"]
@@ -545,7 +547,9 @@ def test_the_heads_feature_layers_add_the_brute_force_variance_to_every_member()
     train = (rows - mu) * scale
     tau = 0.2
     heads.set_prior_precision(bnn, tau)
-    precision = train.T @ train / heads.LOGIT_STD**2 + tau * torch.eye(14, dtype=torch.float64)
+    # every member's rows, the data counted once per training example (48 of 3 · 48 rows)
+    precision = train.T @ train / (3 * heads.LOGIT_STD**2) \
+        + tau * torch.eye(14, dtype=torch.float64)
     x = 4 * _data(6, 3)[0]
     f, _, p = heads.member_inputs(bnn, x, samples_per_component=samples, max_rows=4096,
                                   seed=0, names=view.names)
@@ -560,6 +564,29 @@ def test_the_heads_feature_layers_add_the_brute_force_variance_to_every_member()
     want = torch.log_softmax(mean / torch.sqrt(1 + math.pi / 8 * (head_var + brute.unsqueeze(-1))
                                                * scale_t), -1).exp().mean(0)
     torch.testing.assert_close(bnn.predictive(x).probs.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_heads_of_identical_members_are_the_networks_laplace() -> None:
+    """Heads over S identical members (MC dropout at p = 0, 8 masks) with feature layers are
+    the same network's last-layer Laplace (feature curvature, the same feature layers) at
+    the same τ: each training example counts once in both parts of the precision, however
+    many member rows the heads' pass summed (it counted every row in the feature layers'
+    part: 8 times less variance off the data)."""
+    bnn = bayesify(_norm_net(), method="dropout", p=0.0, train_weights=False,
+                   laplace_heads=True)
+    fit(bnn, _loader(), val_loader=_loader(32, 2), progress=False)
+    view = heads.trunk_posterior(bnn)
+    assert view is not None and bnn.posterior_config.default_samples() == 8
+    la = bayesify(_norm_net(), method="laplace", curvature="features", prior_method="fixed",
+                  feature_layers=tuple(view.names))
+    fit(la, _loader(), progress=False)
+    x = torch.cat([_data(6, 3)[0], 4 * _data(6, 4)[0]])  # near and far from the data
+    for tau in (0.05, 1.0, 20.0):
+        heads.set_prior_precision(bnn, tau)
+        la.method.set_prior_precision(la, tau)
+        want = la.predictor(temperature=1.0).predict(x).raw_log_probs.double()
+        got = bnn.predictor(temperature=1.0).predict(x).raw_log_probs.double()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", [
@@ -598,6 +625,19 @@ def test_saved_heads_with_feature_layers_load_exactly(tmp_path) -> None:
     assert heads.trunk_posterior(loaded) is not None
     torch.testing.assert_close(loaded.predictor()(3 * x).probs, want.probs, rtol=0, atol=1e-6)
     tensors = load_file(tmp_path / "post" / "posterior.safetensors")
+    assert float(tensors["bayesify.heads_trunk_examples"]) == 48  # N, not the member rows
+    # saved before the feature layers' precision counted N: the rows, as it was searched
+    old = {k: v for k, v in tensors.items() if k != "bayesify.heads_trunk_examples"}
+    again = bayesify(_norm_net(), method="ibnn", laplace_heads=True)
+    heads.restore(again, old)  # what load_posterior does first
+    for name in (*heads.ENTRIES, *heads.TRUNK_ENTRIES):
+        again.state.set(name, old[f"bayesify.{name}"])
+    view = heads.trunk_posterior(again)
+    rows = float(old["bayesify.heads_trunk_count"])
+    assert view is not None and rows > 48
+    by_rows = trunk.TrunkPosterior(tuple(old[f"bayesify.{n}"] for n in heads.TRUNK_ENTRIES),
+                                   [7, 7], heads.LOGIT_STD, examples=48.0)
+    torch.testing.assert_close(view.eig, by_rows.eig)
     tensors["bayesify.heads_trunk_sum"] = torch.zeros(5, dtype=torch.float64)
     with pytest.raises(BayesifyError, match="feature-layer sums"):
         heads.restore(bayesify(_norm_net(), method="ibnn", laplace_heads=True), tensors)

@@ -278,10 +278,15 @@ def rank_kept(width: int, examples: float) -> int:
 
 class TrunkPosterior:
     """``v(x) = ψ̃ᵀ (Ψ̃ᵀΨ̃/σ² + τI)⁻¹ ψ̃`` from the layer's sums (see the module docstring);
-    ``widths``: the feature layers' widths, in order."""
+    ``widths``: the feature layers' widths, in order; ``examples``: the training examples N
+    the kept rank follows (:func:`rank_kept`; None: the rows summed); ``data``: the data
+    count of the precision where the sums hold more rows than examples (every member's:
+    ``Ψ̃ᵀΨ̃`` is then N times the rows' second moment, each example counted once, as the
+    classifier's curvature counts it; None: the rows summed)."""
 
     def __init__(self, sums: tuple[torch.Tensor, ...], widths: list[int],
-                 logit_std: float, examples: float | None = None) -> None:
+                 logit_std: float, examples: float | None = None,
+                 data: float | None = None) -> None:
         total, outer, head_sq, count = sums
         n = count.clamp_min(1)
         self.mu = total / n
@@ -295,7 +300,13 @@ class TrunkPosterior:
             scales.append(s.expand(w))
             start += w
         self.scale = torch.cat(scales)
-        a = n * second * torch.outer(self.scale, self.scale) / logit_std**2
+        # the data count is the training examples' (N), not the rows summed: the member-wise
+        # heads sum every member's rows (K·S per example), and counting them scaled the
+        # precision by K·S — K·S times less variance off the data than the same network's
+        # Laplace at the same τ (dropout's 8 samples on the CNN protocol: the trunk's
+        # eigenvalues exactly 8 × Laplace's), where the classifier's part counts N
+        examples_n = n if data is None else torch.as_tensor(data, dtype=n.dtype, device=n.device)
+        a = examples_n * second * torch.outer(self.scale, self.scale) / logit_std**2
         eig, q = torch.linalg.eigh(a)  # ascending
         keep = rank_kept(a.shape[0], float(n) if examples is None else examples)
         self.eig, self.q = eig[-keep:].clamp_min(0), q[:, -keep:]

@@ -78,6 +78,11 @@ _H = "heads_ggn_full"
 TRUNK_ENTRIES = ("heads_trunk_sum", "heads_trunk_outer", "heads_trunk_head_sq",
                  "heads_trunk_count")
 _TRUNK_CACHE = derived("laplace_heads_trunk")
+#: the data count of the feature layers' precision (N; :class:`~bayesify.kit.feature_layers.
+#: TrunkPosterior` ``data``): written by every fit since it counts each training example once;
+#: a posterior saved before has none and keeps the precision it was searched with (every
+#: member's rows counted)
+_TRUNK_N = "heads_trunk_examples"
 #: the exact GGN per component (``H_k [P, P]``, P = C·D') for a classifier of at most this
 #: many parameters, KFAC above: on the laplace family the exact last-layer GGN gave lower
 #: NLL under shift and higher OOD AUROC than KFAC on both quality protocols; per component a
@@ -264,9 +269,10 @@ def fit_heads(ctx: FitContext) -> dict[str, Any]:
     if trunk_sums is not None:
         entries.update(zip(TRUNK_ENTRIES, (ctx.all_reduce_sum(t) for t in trunk_sums),
                            strict=True))
+        entries[_TRUNK_N] = torch.tensor(total, dtype=torch.float64)
     buffers = dict(bnn.state.named_buffers())
     stale = [*((_A, _G) if _H in curvature else (_H,)),  # an earlier fit's other structure
-             *(() if trunk_sums is not None else TRUNK_ENTRIES)]
+             *(() if trunk_sums is not None else (*TRUNK_ENTRIES, _TRUNK_N))]
     for name in stale:
         if name in buffers:
             delattr(bnn.state, name)
@@ -376,7 +382,13 @@ def restore(bnn: BayesianModel, tensors: dict[str, torch.Tensor], *,
                 f"the saved laplace_heads feature-layer sums {trunk_present} do not fit this "
                 f"model's feature layers {trunk_names(bnn)} ({width} features)")
         expected = (*expected, *TRUNK_ENTRIES)
+        if prefix + _TRUNK_N in tensors:  # saved since the precision counts N (else: rows)
+            if tensors[prefix + _TRUNK_N].numel() != 1:
+                raise BayesifyError(f"the saved {_TRUNK_N} is not a scalar")
+            expected = (*expected, _TRUNK_N)
     buffers = dict(bnn.state.named_buffers())
+    if _TRUNK_N in buffers and _TRUNK_N not in expected:
+        delattr(bnn.state, _TRUNK_N)  # an earlier fit's: the loaded sums count rows
     for name in expected:
         if name not in buffers:
             bnn.state.add(name, torch.zeros_like(tensors[prefix + name], device=bnn.device))
@@ -530,7 +542,9 @@ def trunk_posterior(bnn: BayesianModel) -> trunk.TrunkPosterior | None:
                 f"{buffers[TRUNK_ENTRIES[0]].shape[0]}, this model's feature layers {names} "
                 f"{sum(widths)}")
         view = trunk.TrunkPosterior(tuple(buffers[n] for n in TRUNK_ENTRIES), widths, LOGIT_STD,
-                                    examples=float(buffers[_N]))
+                                    examples=float(buffers[_N]),
+                                    data=float(buffers[_TRUNK_N]) if _TRUNK_N in buffers
+                                    else None)
         view.names = names
     bnn.runtime[_TRUNK_CACHE] = view
     return view
