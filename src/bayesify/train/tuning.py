@@ -9,8 +9,9 @@ every candidate twice:
 * **clean**: the per-example NLL on the validation split; a candidate is *feasible* when the
   split cannot tell it from the starting network at its own best temperature (within one
   paired standard error of start + temperature scaling) and vouches that it gives up at most
-  0.005 nats (:data:`bayesify.core.selection.CLEAN_TOLERANCE`, 1.5 SE above its mean), and
-  its clean validation accuracy is at most one point below the start's
+  0.005 nats (:data:`bayesify.core.selection.CLEAN_TOLERANCE`, 1.5 SE above its mean, and
+  without its k most favourable examples: :func:`~bayesify.core.selection.favourable_examples`),
+  and its clean validation accuracy is at most one point below the start's
   (:data:`~bayesify.core.selection.ACCURACY_TOLERANCE`);
 * **shifted**: the per-example NLL on shifted copies of the same inputs — the user's
   ``shift_loader`` when given, else the library's perturbations
@@ -75,6 +76,7 @@ from bayesify.core.selection import (
     ACCURACY_TOLERANCE,
     CLEAN_TOLERANCE,
     choose_joint,
+    favourable_examples,
     feasible,
     log_grid,
 )
@@ -397,9 +399,11 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                 reference = kept_nll.to(reference)
             error_cap = min(error_cap, max(float(kept_errors.mean()),
                                            float(start_errors.mean())))
+        favourable = favourable_examples(len(reference), float(start_errors.float().mean()))
         record.update({"start_tempered_val_nll": start_reference,
                        "start_temperature": TEMPERATURES[start_t],
                        "temperature_floor": TEMPERATURES[allowed[0]],
+                       "favourable_examples": favourable,
                        "shift": "shift_loader" if shift_batches is not None
                        else (shift.describe() if shift is not None else {})})
         plan = knobs or [None]
@@ -417,7 +421,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             below = [TEMPERATURES[c] < floor for c in columns]
             walk = _KnobWalk(bnn, knob, values, batches, ctx, shift, shift_batches,
                              reference=reference, error_cap=error_cap, columns=columns,
-                             below=below, bar=bar)
+                             below=below, bar=bar, favourable=favourable)
             v, t = walk.run()
             clean, shifted = walk.clean, walk.shifted
             chosen_t = TEMPERATURES[columns[t]]
@@ -459,8 +463,10 @@ class _KnobWalk:
     def __init__(self, bnn: BayesianModel, knob: Knob | None, values: list[float],
                  batches: Batches, ctx: DistContext, shift: ShiftSignal | None,
                  shift_batches: Batches | None, *, reference: torch.Tensor, error_cap: float,
-                 columns: list[int], below: list[bool], bar: Any) -> None:
+                 columns: list[int], below: list[bool], bar: Any,
+                 favourable: int = 0) -> None:
         self.bnn, self.knob, self.values, self.bar = bnn, knob, values, bar
+        self.favourable = favourable
         self.batches, self.ctx, self.shift, self.shift_batches = batches, ctx, shift, shift_batches
         self.reference, self.error_cap = reference, error_cap
         self.columns, self.below = columns, below
@@ -538,9 +544,10 @@ class _KnobWalk:
     def could_be_chosen(self, clean: torch.Tensor, errors: torch.Tensor) -> bool:
         """Whether some temperature makes a value with clean scores ``[T, n]`` (at
         ``columns``) and errors ``[n]`` feasible and admissible."""
-        return bool((feasible(clean[None], self.reference)
+        return bool((feasible(clean[None], self.reference, favourable=self.favourable)
                      & _admissible(clean[None], errors[None], error_cap=self.error_cap,
-                                   reference=self.reference, below=self.below)).any())
+                                   reference=self.reference, below=self.below,
+                                   favourable=self.favourable)).any())
 
     def edge(self) -> int:
         """The broadest scored value (``knob.prefer``) that some temperature makes feasible
@@ -561,7 +568,7 @@ class _KnobWalk:
         clean_t = torch.stack([self.clean[i] for i in done])[:, self.columns]
         admissible = _admissible(clean_t, torch.stack([self.errors[i] for i in done]),
                                  error_cap=self.error_cap, reference=self.reference,
-                                 below=self.below)
+                                 below=self.below, favourable=self.favourable)
         shifted_t = _stacked([self.shifted[i] for i in done], self.columns)
         if knob is not None and knob.rule == "min":  # the lowest clean NLL, nothing else
             flat = int(clean_t.mean(-1).argmin())
@@ -569,12 +576,12 @@ class _KnobWalk:
         v, t = choose_joint(clean_t, shifted_t, self.reference,
                             prefer=knob.prefer if knob is not None else "largest",
                             grid=[self.values[i] for i in done] if knob is not None else None,
-                            admissible=admissible)
+                            admissible=admissible, favourable=self.favourable)
         return done[v], t
 
 
 def _admissible(clean: torch.Tensor, errors: torch.Tensor, *, error_cap: float,
-                reference: torch.Tensor, below: list[bool]) -> torch.Tensor:
+                reference: torch.Tensor, below: list[bool], favourable: int = 0) -> torch.Tensor:
     """``[V, T]`` of ``clean [V, T, n]`` and ``errors [V, n]``: the rules besides the clean
     NLL's. A value that loses more than ACCURACY_TOLERANCE of clean validation accuracy
     against the start (with keep: any against both the family and the start; ``error_cap``)
@@ -582,7 +589,7 @@ def _admissible(clean: torch.Tensor, errors: torch.Tensor, *, error_cap: float,
     network's floor (``below``) only where the value needs it
     (:func:`_sharpen_only_if_needed`)."""
     ok = (errors.mean(-1) <= error_cap + 1e-12).view(-1, 1).expand(len(clean), len(below))
-    return _sharpen_only_if_needed(clean, reference, ok, below)
+    return _sharpen_only_if_needed(clean, reference, ok, below, favourable=favourable)
 
 
 def _stacked(shifted: list[torch.Tensor | None], columns: list[int]) -> torch.Tensor | None:
@@ -596,7 +603,8 @@ def _stacked(shifted: list[torch.Tensor | None], columns: list[int]) -> torch.Te
 
 
 def _sharpen_only_if_needed(clean: torch.Tensor, reference: torch.Tensor,
-                            admissible: torch.Tensor, below: list[bool]) -> torch.Tensor:
+                            admissible: torch.Tensor, below: list[bool], *,
+                            favourable: int = 0) -> torch.Tensor:
     """``[V, T]``: a temperature below the network's own floor (:func:`network_floor`) only
     for knob values that no temperature at or above it makes feasible — sharpening brings a
     *broad* posterior back to the start's clean NLL; a value already feasible unsharpened
@@ -607,7 +615,7 @@ def _sharpen_only_if_needed(clean: torch.Tensor, reference: torch.Tensor,
     below_t = torch.tensor(below, dtype=torch.bool)
     if not below_t.any():
         return admissible
-    ok = feasible(clean, reference) & admissible
+    ok = feasible(clean, reference, favourable=favourable) & admissible
     settled = ok[:, ~below_t].any(1)  # values feasible at T ≥ floor
     return admissible & ~(below_t.view(1, -1) & settled.view(-1, 1))
 
