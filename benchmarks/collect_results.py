@@ -60,6 +60,15 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session19.md", "A clean gain that rests on a few validation examples is not "
+             "vouched for; the no-validation column; the real Lite0's rank1",
+             "python benchmarks/quality.py --protocol P --seeds 0 1 2 --save-seeds --methods "
+             "abnn batchensemble dropout ensemble epinet hypernet ibnn laplace meanfield mnf "
+             "rank1 swag deep-ensemble-x5 laplace-torch (without the cache) at 0610a50; python "
+             "benchmarks/which_family.py ...; BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 "
+             "pytest -m slow tests/test_stress_pretrained.py::"
+             "test_every_family_with_defaults_on_every_trap (with and without validation); "
+             "benchmarks/lite0_families.py --families rank1 --seed S; the text is written by hand"),
         Part("session18.md", "The heads' feature layers count each example once, the heads' "
              "error rule, the start with heads weighed by the search's rule, SWAG's BatchNorm "
              "batches", "python benchmarks/quality.py --protocol P --seeds 0 1 2 --save-seeds "

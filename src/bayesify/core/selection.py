@@ -85,9 +85,9 @@ CLEAN_SE_MULTIPLE = 1.5
 #: how many binomial standard deviations of the start's validation error count a feasible
 #: candidate's clean cost must survive losing from its most favourable examples
 #: (:func:`favourable_examples`). 1 (was 0) took the stress matrix's held-out test splits from
-#: 26 to 6 cells over the clean bar (seeds 0, 1; 242 cells with validation, mean test NLL
-#: −0.003), the ViT quality protocol from 0.554 to 0.561 × the start's shift NLL, the CNN's
-#: unchanged (benchmarks/results/session19.md); not swept
+#: 30 to 10 of 363 cells over the bar (3 seeds, with validation; mean test NLL −0.003), the
+#: ViT quality protocol from 0.554 to 0.561 × the start's shift NLL, the CNN's unchanged
+#: (benchmarks/results/session19.md); not swept
 ERRORS_SD = 1.0
 
 
