@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import text_protocol
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -48,6 +49,8 @@ class Protocol:
     ood_near: torch.Tensor
     ood_far: torch.Tensor
     num_classes: int
+    #: the shifted test inputs by kind, where the protocol draws them itself (text)
+    shifted: dict | None = None
 
     def loaders(self, seed: int, batch_size: int = 32) -> dict[str, DataLoader]:
         g = torch.Generator().manual_seed(seed)
@@ -282,6 +285,24 @@ def vit_shifts(x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
+def minilm_protocol(seed: int, n_train: int = 200) -> Protocol:
+    d = text_protocol.text_data(seed, n_train)
+    return Protocol(pre=d.pre, train=d.train, val=d.val, test=d.test, ood_near=d.ood_near,
+                    ood_far=d.ood_far, num_classes=len(text_protocol.CLASSES), shifted=d.shifted)
+
+
+def minilm_pretrained(p: Protocol, seed: int, member: int = 0, epochs: int = 4) -> torch.nn.Module:
+    """The real MiniLM (2 blocks) + head, the whole network fine-tuned on the training split
+    (deep-ensemble members: other seeds of the fine-tuning)."""
+    torch.manual_seed(100 * seed + member)
+    model = text_protocol.SentenceClassifier(p.num_classes)
+    return text_protocol.fine_tune(model, p.pre, epochs=epochs, seed=100 * seed + member)
+
+
+def _drawn(_x: torch.Tensor, _seed: int) -> dict[str, torch.Tensor]:
+    raise AssertionError("the text protocol draws its shifted sets with its data")
+
+
 def cached(train: Callable[..., torch.nn.Module], name: str) -> Callable[..., torch.nn.Module]:
     """``train`` with its networks kept in ``$BAYESIFY_BENCH_CACHE`` (a directory; unset: no
     cache) by protocol, seed, member and epochs — training is seeded, so a cached network is
@@ -326,7 +347,8 @@ class Spec:
         torch.manual_seed(seed)
         p = self.build(seed)
         tx, ty = p.test.tensors
-        return p, tx, ty, self.shifts(tx, seed), torch.cat([p.ood_near, p.ood_far])
+        shifted = p.shifted if p.shifted is not None else self.shifts(tx, seed)
+        return p, tx, ty, shifted, text_protocol.cat([p.ood_near, p.ood_far])
 
 
 PROTOCOLS = {
@@ -347,4 +369,11 @@ PROTOCOLS = {
                      "wide pretrained CNN: DigitsCNN(width=256), 512 features into the head — "
                      "more than the 200 fine-tuning images span, as in real networks",
                      protocol, cached(wide_pretrained, "wide-cnn"), shifts, SEEN, UNSEEN, 60, 20),
+    "minilm-text": Spec("minilm-text", "template sentences of 6 topics, the real all-MiniLM-L6-v2 "
+                        "(first 2 blocks, LayerNorm, masked mean pooling) fine-tuned whole on 900 "
+                        "sentences, 200 fine-tuning sentences; shifts, all *unseen* by the "
+                        "library: typos, dropped words, an appended clause of an unseen topic, "
+                        "held-out paraphrases, shuffled words; OOD: 2 unseen topics + random word "
+                        "pieces", minilm_protocol, cached(minilm_pretrained, "minilm-text"),
+                        _drawn, text_protocol.TEXT_SEEN, text_protocol.TEXT_UNSEEN, 4, 2),
 }

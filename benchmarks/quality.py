@@ -51,9 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from protocols import PROTOCOLS, Protocol
 from quality_table import aggregate
+from text_protocol import model_input, rows, take
 
 import bayesify
 from bayesify import metrics
+from bayesify.core.batch import call_model
+from bayesify.core.outputs import logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.evaluation import peers
 from bayesify.predict.predictor import BasePredictor, ModelPredictor
@@ -79,7 +82,8 @@ PEER_RECIPES: dict[str, dict[str, Any]] = {
 def predictions(predictor: BasePredictor, x: torch.Tensor, batch: int = 512) -> Prediction:
     """The predictor's :class:`Prediction` of ``x`` at its temperature (the temperature acts
     on the predictive's log-probabilities; entropy and epistemic as the library reports)."""
-    parts = [predictor.predict(x[i:i + batch]).to("cpu") for i in range(0, x.shape[0], batch)]
+    parts = [predictor.predict(model_input(take(x, i, i + batch))).to("cpu")
+             for i in range(0, rows(x), batch)]
     return Prediction.cat(parts).scaled(predictor.temperature)
 
 
@@ -232,7 +236,7 @@ def temperature_scale(model: torch.nn.Module, p: Protocol) -> ModelPredictor:
     """MAP + temperature: LBFGS on log T of the validation NLL."""
     vx, vy = p.val.tensors
     with torch.no_grad():
-        logits = model(vx)
+        logits = logits_of(call_model(model, model_input(vx)))
     log_t = torch.zeros((), requires_grad=True)
     opt = torch.optim.LBFGS([log_t], lr=0.1, max_iter=100, line_search_fn="strong_wolfe")
 

@@ -283,6 +283,39 @@ def test_bayesian_torch_kl_sum_is_the_elbo_kl_and_get_kl_loss_averages():
     assert differentiable_member_logits(pred, x).requires_grad
 
 
+def test_laplace_torch_on_mapping_batches_equals_it_on_tensors():
+    """A model fed Hugging Face mappings (the text protocol) gets laplace-torch's own
+    convention (``model(batch)``) through ``peers.MappingModel``: the same posterior and
+    predictive as the same network fed tensors."""
+    pytest.importorskip("laplace")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from bayesify.core.batch import Batch
+    from bayesify.evaluation import peers
+
+    class Keywords(nn.Module):
+        def __init__(self, body: nn.Module) -> None:
+            super().__init__()
+            self.body = body
+
+        def forward(self, features: torch.Tensor) -> torch.Tensor:
+            return self.body(features)
+
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(40, 5), torch.randint(0, 3, (40,))
+    tensors = DataLoader(TensorDataset(x, y), batch_size=8)
+    mappings = DataLoader([{"features": xi, "labels": yi} for xi, yi in zip(x, y)], batch_size=8)
+    plain = peers.LaplaceTorchPredictor(peers.fit_laplace_torch(body, tensors))
+    keyed = peers.LaplaceTorchPredictor(peers.fit_laplace_torch(Keywords(body), mappings))
+    assert isinstance(keyed.la.model.model, peers.MappingModel)
+    test = torch.randn(6, 5)
+    want = plain.member_logits(test)
+    got = keyed.member_logits(Batch((), {"features": test}, None))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want.softmax(-1), body(test).softmax(-1), atol=1e-3)
+
+
 def test_insert_dropout_wraps_every_layer_but_the_stem():
     from bayesify.data.models import DigitsCNN
     from bayesify.evaluation import peers

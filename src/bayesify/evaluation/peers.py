@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bayesify.core.batch import Batch
+from bayesify.core.outputs import logits_of
 from bayesify.core.walker import replace_modules
 from bayesify.errors import BayesifyError
 from bayesify.predict.predictor import BasePredictor
@@ -68,8 +70,13 @@ def fit_laplace_torch(
     """
     laplace = _require("laplace", "laplace-torch")
     model = copy.deepcopy(model).eval()
+    first, keys = next(iter(train_loader)), {}
+    if isinstance(first, Mapping):  # Hugging Face batches: laplace-torch calls model(batch)
+        model = MappingModel(model).eval()
+        inputs = [k for k in first if k != "labels"]
+        keys = {"dict_key_x": "input_ids" if "input_ids" in inputs else inputs[0]}
     la = laplace.Laplace(model, "classification", subset_of_weights=subset_of_weights,
-                         hessian_structure=hessian_structure)
+                         hessian_structure=hessian_structure, **keys)
     la.fit(train_loader)
     if prior == "marglik":
         la.optimize_prior_precision(pred_type="glm", method="marglik", link_approx="probit")
@@ -79,6 +86,18 @@ def fit_laplace_torch(
     else:
         raise BayesifyError(f"prior must be 'marglik' or 'gridsearch', got {prior!r}")
     return la
+
+
+class MappingModel(nn.Module):
+    """``model(**inputs)`` called as ``wrapper(batch)``: laplace-torch's convention for a model
+    fed mappings (it calls ``model(batch)`` with the labels still in the batch)."""
+
+    def __init__(self, model: nn.Module, labels: str = "labels") -> None:
+        super().__init__()
+        self.model, self.labels = model, labels
+
+    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        return logits_of(self.model(**{k: v for k, v in batch.items() if k != self.labels}))
 
 
 class LaplaceTorchPredictor(BasePredictor):
@@ -100,8 +119,11 @@ class LaplaceTorchPredictor(BasePredictor):
         return next(self.la.model.parameters()).device
 
     @torch.no_grad()
-    def member_logits(self, x: torch.Tensor) -> torch.Tensor:
-        probs = self.la(x.to(self.device), pred_type=self.pred_type, link_approx=self.link_approx)
+    def member_logits(self, x: Any) -> torch.Tensor:
+        if isinstance(x, Batch):  # a mapping model (MappingModel): laplace-torch takes a dict
+            x = dict(x.to(self.device).kwargs) if x.kwargs else x.args[0]
+        probs = self.la(x.to(self.device) if isinstance(x, torch.Tensor) else x,
+                        pred_type=self.pred_type, link_approx=self.link_approx)
         return probs.float().clamp_min(1e-12).log().unsqueeze(0)
 
 
