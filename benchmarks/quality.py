@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from protocols import PROTOCOLS, Protocol
 from quality_table import aggregate
-from text_protocol import model_input, rows, take
+from text_protocol import input_rows, model_input, take
 
 import bayesify
 from bayesify import metrics
@@ -83,7 +83,7 @@ def predictions(predictor: BasePredictor, x: torch.Tensor, batch: int = 512) -> 
     """The predictor's :class:`Prediction` of ``x`` at its temperature (the temperature acts
     on the predictive's log-probabilities; entropy and epistemic as the library reports)."""
     parts = [predictor.predict(model_input(take(x, i, i + batch))).to("cpu")
-             for i in range(0, rows(x), batch)]
+             for i in range(0, input_rows(x), batch)]
     return Prediction.cat(parts).scaled(predictor.temperature)
 
 
@@ -303,7 +303,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
         fit_s = time.perf_counter() - start + (map_s if name == "deep-ensemble-x5" else 0.0)
         score(name, group, predictor, fit_s, recipe, record)
     return {"seed": seed, "rows": rows, "sweeps": {k: [1] for k in shifted},
-            "n_test": int(ty.numel()), "n_ood": int(ood.shape[0]), "notes": {},
+            "n_test": int(ty.numel()), "n_ood": input_rows(ood), "notes": {},
             "map_seconds": map_s}
 
 

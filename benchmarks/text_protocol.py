@@ -222,7 +222,7 @@ def random_pieces(n: int, seed: int, tokenizer: Any) -> dict[str, torch.Tensor]:
 
 
 # -- the generic input helpers quality.py uses for tensors and mappings alike ----------------
-def rows(x: Any) -> int:
+def input_rows(x: Any) -> int:
     return int(next(iter(x.values())).shape[0]) if isinstance(x, dict) else int(x.shape[0])
 
 

@@ -50,7 +50,7 @@ KINDS: tuple[str, ...] = tuple(LADDERS)
 _STRUCTURAL = ("mask", "type_ids", "position", "segment")
 
 
-def _is_content(name: str | None, tensor: torch.Tensor) -> bool:
+def is_content(name: str | None, tensor: torch.Tensor) -> bool:
     if tensor.dtype == torch.bool:
         return False
     return name is None or not any(part in name for part in _STRUCTURAL)
@@ -100,7 +100,7 @@ def perturb(batch: Batch, kind: str, level: float, *, seed: int) -> Batch:
     def apply(name: str | None, v: Any) -> Any:
         if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != rows:
             return v
-        if not _is_content(name, v):
+        if not is_content(name, v):
             return v
         if v.is_floating_point():
             return _perturb_float(v, kind, level, g, perm)
