@@ -334,3 +334,65 @@ def test_an_under_confident_start_lets_every_family_sharpen_to_its_temperature(t
     assert record["temperature"] < 1.0
     assert record["start_tempered_val_nll"] < at_one - 0.05
     assert record["val_nll"] <= record["start_tempered_val_nll"] + 0.005
+
+
+class _Tokens(nn.Module):
+    """Token ids ``[B, L]`` → mean embedding → logits (``onehot=True``: the same function of
+    one-hot float inputs ``[B, L, V]``, so the two differ only in the input's kind)."""
+
+    def __init__(self, vocabulary: int = 18, classes: int = 3, onehot: bool = False) -> None:
+        super().__init__()
+        self.emb, self.fc, self.onehot = nn.Embedding(vocabulary, 8), nn.Linear(8, classes), onehot
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x @ self.emb.weight if self.onehot else self.emb(x)
+        return self.fc(tokens.mean(1))
+
+
+def _token_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 18, (n, 8), generator=g)
+    y = torch.stack([((ids >= 6 * c) & (ids < 6 * c + 6)).sum(1) for c in range(3)], 1).argmax(1)
+    return ids, y
+
+
+def test_token_inputs_are_not_sharpened_below_the_network_floor():
+    """On token inputs the search keeps T at or above the starting network's own floor, for
+    every family (a broad Laplace sharpened back to the start's clean NLL was 1.1–1.6× the
+    start's NLL under wording shifts on the fine-tuned MiniLM; benchmarks/results/
+    session20.md); the same network fed one-hot floats is sharpened as before."""
+    from bayesify.core.batch import Batch
+    from bayesify.train.tuning import token_inputs
+
+    ids = torch.zeros(4, 6, dtype=torch.long)
+    mask = torch.ones(4, 6, dtype=torch.long)
+    assert token_inputs(lambda: iter([Batch((), {"input_ids": ids, "attention_mask": mask},
+                                            None)]))
+    assert token_inputs(lambda: iter([Batch((ids,), {}, None)]))
+    assert not token_inputs(lambda: iter([Batch((torch.randn(4, 1, 8, 8),), {}, None)]))
+    assert not token_inputs(lambda: iter([Batch((), {"pixel_values": torch.randn(4, 6),
+                                                     "attention_mask": mask}, None)]))
+    torch.manual_seed(0)
+    net = _Tokens()
+    x, y = _token_data(400, 0)
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    for _ in range(200):
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    twin = _Tokens(onehot=True)
+    twin.load_state_dict(net.state_dict())
+    vx, vy = _token_data(300, 1)
+    onehot = nn.functional.one_hot(vx, 18).float()
+    torch.testing.assert_close(twin(onehot), net(vx))
+    chosen = {}
+    for name, model, inputs in [("tokens", net, vx), ("floats", twin, onehot)]:
+        bnn = bayesify(model, "laplace", prior_method="fixed", prior_precision=0.01)
+        fit(bnn, DataLoader(TensorDataset(inputs[:200], vy[:200]), batch_size=50), progress=False)
+        chosen[name] = tune(bnn, DataLoader(TensorDataset(inputs, vy), batch_size=100),
+                            progress=False)
+    assert chosen["floats"]["temperature"] < 1.0  # broad: sharpened back to the start
+    tokens = chosen["tokens"]
+    assert tokens["temperature"] >= min(1.0, tokens["start_temperature"]) - 1e-9
+    assert tokens["temperature"] >= tokens["temperature_floor"] - 1e-9
+    assert tokens["sharpening"] == "off: token inputs" and "sharpening" not in chosen["floats"]

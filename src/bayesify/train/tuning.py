@@ -36,7 +36,13 @@ paired standard errors (an under-confident network, e.g. one trained with a larg
 decay: start 0.47 → 0.29 nats at T ≈ 0.5), else T ≥ 1 (sharpening a broad posterior to buy
 back its clean NLL cost shift NLL on the quality protocol: ibnn seed 1, 2.42 → 3.41;
 benchmarks/results/issue29.md). Laplace goes below that floor only for a τ that is not
-feasible above it. The starting network's reference temperature comes from the network's
+feasible above it — and never on token inputs (:func:`token_inputs`: a ``[batch, length]``
+integer content input), for any family or its heads: on a MiniLM fine-tuned whole
+(``benchmarks/protocols.py`` ``minilm-text``) the broad predictives sharpened back to the
+start's clean NLL were 1.1–1.6× the start's NLL under held-out wording shifts (typos, dropped
+words, paraphrases; benchmarks/results/session20.md), while the search's token
+perturbations, at every strength of their ladders, scored them within 0.007 nats of the
+start or better. The starting network's reference temperature comes from the network's
 own range ("start + temperature scaling"), for every family, and the feasibility rule keeps
 only what the clean split can vouch for. The choice is installed as the posterior's temperature
 (``bnn.state.temperature``, ``bnn.temperature_source = "search"``, saved and exported with
@@ -420,7 +426,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                         "the start's NLL on a fine-tuned MiniLM)", bnn.method_name)
         record.update({"start_tempered_val_nll": start_reference,
                        "start_temperature": TEMPERATURES[start_t],
-                       "temperature_floor": TEMPERATURES[allowed[0]],
+                       "temperature_floor": floor if tokens else TEMPERATURES[allowed[0]],
                        "favourable_examples": favourable,
                        "shift": "shift_loader" if shift_batches is not None
                        else (shift.describe() if shift is not None else {})})
