@@ -166,17 +166,20 @@ def _data(n: int, seed: int):
     return x, y
 
 
-@pytest.fixture(scope="module")
-def trained():
-    torch.manual_seed(0)
-    net = _Net()
-    x, y = _data(300, 0)
+def _map(net: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> nn.Module:
+    """``net`` after ``steps`` full-batch Adam steps of cross-entropy on ``(x, y)``."""
     opt = torch.optim.Adam(net.parameters(), lr=0.05)
-    for _ in range(150):
+    for _ in range(steps):
         opt.zero_grad()
         nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
     return net.eval()
+
+
+@pytest.fixture(scope="module")
+def trained():
+    torch.manual_seed(0)
+    return _map(_Net(), *_data(300, 0), steps=150)
 
 
 def _loader(n: int, seed: int) -> DataLoader:
@@ -373,13 +376,7 @@ def test_token_inputs_are_not_sharpened_below_the_network_floor():
     assert not token_inputs(lambda: iter([Batch((), {"pixel_values": torch.randn(4, 6),
                                                      "attention_mask": mask}, None)]))
     torch.manual_seed(0)
-    net = _Tokens()
-    x, y = _token_data(400, 0)
-    opt = torch.optim.Adam(net.parameters(), lr=0.05)
-    for _ in range(200):
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
+    net = _map(_Tokens(), *_token_data(400, 0), steps=200)
     twin = _Tokens(onehot=True)
     twin.load_state_dict(net.state_dict())
     vx, vy = _token_data(300, 1)
