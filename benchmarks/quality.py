@@ -22,6 +22,7 @@ curve (clean against shifted validation NLL per knob value).
     python benchmarks/quality.py --seeds 0 1 2 --jobs 2     # the recorded run
     python benchmarks/quality.py --quick                    # 1 seed, fewer rows' epochs
     python benchmarks/quality.py --protocol digits-vit      # protocol 2: a tiny ViT (LayerNorm)
+    python benchmarks/quality.py --protocol minilm-text     # protocol 3: the real MiniLM, text
 
 ``--variant LABEL FAMILY key=value … fit.key=value …`` adds a row of a family with other
 options (e.g. ``--variant ibnn-authors ibnn per_network=False fit.base_lr=1e-4``).
