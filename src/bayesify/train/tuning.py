@@ -137,7 +137,8 @@ COARSE_TO_FINE = True
 
 def token_inputs(batches: Batches) -> bool:
     """Whether the validation inputs are token sequences: a ``[batch, length]`` integer
-    tensor among the first batch's content inputs (masks and type ids are not content)."""
+    tensor among the first batch's content inputs (masks and type ids are not content).
+    Reads one batch (the search streams the split once per candidate anyway)."""
     for batch in batches():
         named = [(None, a) for a in batch.args] + list(batch.kwargs.items())
         return any(isinstance(v, torch.Tensor) and v.dim() == 2 and v.dtype != torch.bool
@@ -417,7 +418,8 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             error_cap = min(error_cap, max(float(kept_errors.mean()),
                                            float(start_errors.mean())))
         favourable = favourable_examples(len(reference), float(start_errors.float().mean()))
-        tokens = temperature and token_inputs(batches)
+        # every rank decides alike (a rank whose shard is empty sees no batch)
+        tokens = temperature and any(all_gather_objects(token_inputs(batches), ctx))
         if tokens:
             record["sharpening"] = "off: token inputs"
             logger.info("%s: token inputs: the search does not sharpen the predictive below "
