@@ -393,3 +393,50 @@ def test_token_inputs_are_not_sharpened_below_the_network_floor():
     assert tokens["temperature"] >= min(1.0, tokens["start_temperature"]) - 1e-9
     assert tokens["temperature"] >= tokens["temperature_floor"] - 1e-9
     assert tokens["sharpening"] == "off: token inputs" and "sharpening" not in chosen["floats"]
+
+
+def test_refined_temperature_is_the_vertex_between_its_grid_neighbours():
+    """Where the shift did not bind (the chosen temperature is its row's clean minimum) the
+    search refines T to the parabola's vertex in log T — exact for a parabola; untouched
+    elsewhere, at the grid's edge, and never below the floor from above it."""
+    from bayesify.train.tuning import refined_temperature
+
+    t = torch.tensor(TEMPERATURES, dtype=torch.float64)
+    columns = list(range(len(TEMPERATURES)))
+
+    def curve(best: float) -> torch.Tensor:
+        return (0.2 + (t.log() - math.log(best)) ** 2).view(-1, 1).expand(-1, 7)
+
+    one = TEMPERATURES.index(1.0)
+    assert refined_temperature(curve(1.07), columns, one, floor=1.0) == pytest.approx(1.07)
+    assert refined_temperature(curve(0.93), columns, one, floor=0.05) == pytest.approx(0.93)
+    # from T = 1 never below a floor of 1; below the floor where the choice was already there
+    assert refined_temperature(curve(0.97), columns, one, floor=1.0) == 1.0
+    assert refined_temperature(curve(0.47), columns, one - 4, floor=1.0) == pytest.approx(0.47)
+    # not the row's clean minimum (the shift chose a broader T): the grid's value
+    assert refined_temperature(curve(1.07), columns, one + 2, floor=1.0) == TEMPERATURES[one + 2]
+    # at the edge of the columns searched: no neighbour on one side
+    assert refined_temperature(curve(1.0), columns[one:], 0, floor=1.0) == 1.0
+
+
+def test_the_search_refines_the_temperature_to_the_clean_optimum_between_grid_points(trained):
+    """End to end: the chosen temperature's clean validation NLL is at most the grid
+    value's, and the temperature is within 2 % of a brute-force scan's optimum."""
+    bnn = bayesify(trained, "ensemble", components=2)
+    val = _loader(300, 3)
+    record = tune(bnn, val, progress=False)
+    assert "temperature_grid" in record  # this split's optimum lies between grid points
+    grid_t, refined = record["temperature_grid"], record["temperature"]
+    assert grid_t / 1.09 < refined < grid_t * 1.09 and refined != grid_t
+    assert bnn.state.value("temperature") == pytest.approx(refined)
+    x, y = _data(300, 3)
+    with torch.no_grad():
+        pred = bnn.predictor(temperature=1.0).predict(x)
+
+    def nll(temperature: float) -> float:
+        return float(pred.scaled(temperature).nll(y).mean())
+
+    scan = torch.logspace(math.log10(grid_t / 1.2), math.log10(grid_t * 1.2), 401).tolist()
+    best = min(scan, key=nll)
+    assert nll(refined) <= nll(grid_t)
+    assert abs(math.log(refined / best)) < 0.02
