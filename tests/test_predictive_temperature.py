@@ -415,8 +415,11 @@ def test_refined_temperature_is_the_vertex_between_its_grid_neighbours():
     assert refined_temperature(curve(0.47), columns, one - 4, floor=1.0) == pytest.approx(0.47)
     # not the row's clean minimum (the shift chose a broader T): the grid's value
     assert refined_temperature(curve(1.07), columns, one + 2, floor=1.0) == TEMPERATURES[one + 2]
-    # at the edge of the columns searched: no neighbour on one side
-    assert refined_temperature(curve(1.0), columns[one:], 0, floor=1.0) == 1.0
+    # at the floor (the lowest column): refined upwards from the neighbour below it
+    assert refined_temperature(curve(1.07), columns[one:], 0, floor=1.0) == pytest.approx(1.07)
+    assert refined_temperature(curve(0.9), columns[one:], 0, floor=1.0) == 1.0
+    # at the grid's end: no neighbour on one side
+    assert refined_temperature(curve(20.0), columns, len(columns) - 1, floor=1.0) == 16.0
 
 
 def test_the_search_refines_the_temperature_to_the_clean_optimum_between_grid_points(trained):

@@ -625,24 +625,26 @@ class _KnobWalk:
 
 def refined_temperature(clean: torch.Tensor, columns: list[int], t: int, *,
                         floor: float) -> float:
-    """The temperature at position ``t`` of ``columns`` (indices of :data:`TEMPERATURES`),
-    refined (:data:`REFINE`) when it is the lowest mean of ``clean [T, n]`` (one knob value's
-    per-example clean NLL at every temperature) among ``columns`` and both its grid
-    neighbours are there: the vertex, in log T, of the parabola through the three points,
-    which lies within half a step of it on either side. Never below ``floor`` from a
-    temperature at or above it (a family does not sharpen by refinement)."""
-    chosen = TEMPERATURES[columns[t]]
-    means = clean[columns].mean(-1)
-    if not 0 < t < len(columns) - 1 or int(means.argmin()) != t:
+    """The temperature at position ``t`` of ``columns`` (the indices of :data:`TEMPERATURES`
+    the search could choose), refined (:data:`REFINE`) when it is the lowest mean of
+    ``clean [T, n]`` (one knob value's per-example clean NLL at every temperature of the
+    grid) among ``columns`` and no higher than at either grid neighbour: the vertex, in
+    log T, of the parabola through the three points, within half a step of it. Never below
+    ``floor`` from a temperature at or above it (a family does not sharpen by refinement;
+    the neighbour below the floor is scored all the same, and gives the parabola's side)."""
+    chosen, i = TEMPERATURES[columns[t]], columns[t]
+    means = clean.mean(-1)
+    if not 0 < i < len(TEMPERATURES) - 1 or int(means[columns].argmin()) != t:
         return chosen
-    u = [math.log(TEMPERATURES[columns[i]]) for i in (t - 1, t, t + 1)]
-    f = [float(means[i]) for i in (t - 1, t, t + 1)]
+    f = [float(means[j]) for j in (i - 1, i, i + 1)]
+    if not f[1] <= min(f[0], f[2]) or not all(map(math.isfinite, f)):
+        return chosen
+    u = [math.log(TEMPERATURES[j]) for j in (i - 1, i, i + 1)]
     num = (u[1] - u[0]) ** 2 * (f[1] - f[2]) - (u[1] - u[2]) ** 2 * (f[1] - f[0])
     den = (u[1] - u[0]) * (f[1] - f[2]) - (u[1] - u[2]) * (f[1] - f[0])
-    if not den or not math.isfinite(num / den):
+    if not den:
         return chosen
-    vertex = min(max(u[1] - 0.5 * num / den, u[0]), u[2])
-    out = math.exp(vertex)
+    out = math.exp(min(max(u[1] - 0.5 * num / den, u[0]), u[2]))
     return max(out, floor) if chosen >= floor - 1e-12 else out
 
 
