@@ -443,3 +443,23 @@ def test_the_search_refines_the_temperature_to_the_clean_optimum_between_grid_po
     best = min(scan, key=nll)
     assert nll(refined) <= nll(grid_t)
     assert abs(math.log(refined / best)) < 0.02
+
+
+def test_a_search_with_nothing_feasible_keeps_the_grid_temperature(trained, monkeypatch):
+    """The fallback to the lowest clean NLL (no candidate feasible) is not refined: the
+    fit's keep rule weighs that state against the start at a temperature the search's rule
+    screened (refined, infeasible trained states came closer to the start and were kept,
+    ViT protocol seed 1)."""
+    from bayesify.train import tuning
+
+    def searched() -> dict:
+        bnn = bayesify(trained, "ensemble", components=2, init_noise=2.0, laplace_heads=False,
+                       head_init="pretrained")
+        return tune(bnn, _loader(300, 3), progress=False)
+
+    record = searched()
+    assert record["val_nll"] > record["start_tempered_val_nll"] + 0.1  # nothing feasible
+    assert "temperature_grid" not in record and record["temperature"] in TEMPERATURES
+    # the same choice read as feasible would have been refined: the test can fail
+    monkeypatch.setattr(tuning._KnobWalk, "chosen_feasibly", lambda self, v, t: True)
+    assert "temperature_grid" in searched()
