@@ -443,20 +443,6 @@ def test_the_search_refines_the_temperature_to_the_clean_optimum_between_grid_po
     best = min(scan, key=nll)
     assert nll(refined) <= nll(grid_t)
     assert abs(math.log(refined / best)) < 0.02
-    # the reference, the start at its own best temperature, is refined the same way: its
-    # NLL there is the record's, within 2 % of the scan's optimum, and below the grid's
-    with torch.no_grad():
-        logits = trained(x)
-
-    def start_nll(temperature: float) -> float:
-        return float(nn.functional.cross_entropy(logits / temperature, y))
-
-    start_t = record["start_temperature"]
-    assert start_t not in TEMPERATURES
-    assert record["start_tempered_val_nll"] == pytest.approx(start_nll(start_t), abs=1e-6)
-    scan = torch.logspace(math.log10(start_t / 1.2), math.log10(start_t * 1.2), 401).tolist()
-    assert abs(math.log(start_t / min(scan, key=start_nll))) < 0.02
-    assert start_nll(start_t) <= min(start_nll(t) for t in TEMPERATURES if t >= 1.0) + 1e-5
 
 
 def test_a_search_with_nothing_feasible_keeps_the_grid_temperature(trained, monkeypatch):

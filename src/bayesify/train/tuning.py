@@ -320,8 +320,7 @@ def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
                    ) -> tuple[torch.Tensor, int, list[int], torch.Tensor, float,
                               ShiftSignal | None]:
     """The starting network's per-example clean NLL at its best temperature ``[n]`` (from
-    its own :func:`network_floor` up, for every family; refined between grid points as a
-    family's is, :func:`refined_temperature`), that temperature, the indices
+    its own :func:`network_floor` up, for every family), that temperature's index, the indices
     of the temperatures the search may give ``bnn``, the start's per-example error ``[n]``,
     its :func:`network_floor` and the shift signal calibrated on the start (``signal``).
 
@@ -344,12 +343,6 @@ def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
     # T = 0.6 on validation, 2.6 SE, and lost 0.011 on test)
     own = _at_least(floor)
     best = own[int(per_t[own].mean(1).argmin())]
-    reference, start_t = per_t[best], TEMPERATURES[best]
-    if REFINE:  # at its own best temperature between grid points, as a family is refined
-        start_t = refined_temperature(per_t, own, own.index(best), floor=floor)
-        if start_t != TEMPERATURES[best]:
-            reference = _gathered_row([_at_temperature(logits(batch), batch, start_t)
-                                       for batch in batches()], ctx)
     shift = None
     if signal:
         source = whole_split or batches
@@ -358,19 +351,7 @@ def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
         if ctx.distributed:  # the batches of the ranks before this one
             counts = all_gather_objects(len(parts), ctx)
             shift = dataclasses.replace(shift, first_index=sum(counts[:ctx.rank]))
-    return reference, start_t, columns, errors, floor, shift
-
-
-def _at_temperature(logits: torch.Tensor, batch: Batch, temperature: float) -> torch.Tensor:
-    """``[B]`` per-example NLL of plain logits at one temperature (float64, on the CPU)."""
-    labels = batch.require_labels("the validation search").to(logits.device)
-    return per_example_nll(F.log_softmax(logits / temperature, dim=-1), labels).double().cpu()
-
-
-def _gathered_row(parts: list[torch.Tensor], ctx: DistContext) -> torch.Tensor:
-    """``[n]`` from this rank's ``[b]`` pieces, every rank's shard in rank order."""
-    mine = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
-    return torch.cat(all_gather_objects(mine, ctx))
+    return per_t[best], best, columns, errors, floor, shift
 
 
 def _base_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -459,7 +440,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                         "broad posterior sharpened back to the start's clean NLL was 1.1-1.6x "
                         "the start's NLL on a fine-tuned MiniLM)", bnn.method_name)
         record.update({"start_tempered_val_nll": start_reference,
-                       "start_temperature": start_t,
+                       "start_temperature": TEMPERATURES[start_t],
                        "temperature_floor": floor if tokens else TEMPERATURES[allowed[0]],
                        "favourable_examples": favourable,
                        "shift": "shift_loader" if shift_batches is not None
