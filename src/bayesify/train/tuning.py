@@ -142,7 +142,11 @@ COARSE_TO_FINE = True
 #: what temperature scaling does continuously. Not where nothing was feasible (the search's
 #: fallback to the lowest clean NLL): refined, an infeasible trained state came closer to the
 #: start and was kept instead of the start, and on the ViT protocol's seed 1 meanfield and
-#: SWAG then lost 1.2 and 1.4 points of test accuracy (benchmarks/results/session21.md). On the text protocol's seed 2 the grid's step (×1.19) left six families at
+#: SWAG then lost 1.2 and 1.4 points of test accuracy (benchmarks/results/session21.md).
+#: The starting network's reference stays at its grid temperature: refined too, the start at
+#: the neighbouring grid temperatures became infeasible against it (the paired SE of one
+#: network's logits at two temperatures is ~0), and dropout on the ViT protocol's seed 1 left
+#: the start for a trained rate (+0.021 nats over MAP + TS on test, shift 0.48× → 0.70×). On the text protocol's seed 2 the grid's step (×1.19) left six families at
 #: T = 1 where temperature scaling's optimum is 1.07, 0.006–0.007 nats over it on test
 #: (benchmarks/results/session21.md). False: the grid's value.
 REFINE = True
