@@ -243,7 +243,7 @@ def test_scale_chosen_on_validation_matches_brute_force_and_round_trips(tmp_path
                          batch_size=24)
     grid = (0.1, 100.0, 4)
     scales = torch.logspace(-1, 2, 4, dtype=torch.float64).tolist()
-    chosen, temps = {}, {}
+    chosen, temps, on_grid = {}, {}, {}
     for rule in ("min", "shift"):
         bnn = bayesify(mlp(), "swag", max_rank=4, snapshot_every_steps=2, lr=0.05, predict_samples=6,
                        scale_method="val_nll", scale_grid=grid, val_rule=rule,
@@ -252,10 +252,14 @@ def test_scale_chosen_on_validation_matches_brute_force_and_round_trips(tmp_path
         chosen[rule], temps[rule] = bnn.method.scale(bnn), bnn.state.value("temperature")
         assert info.history[-1]["scale"] == chosen[rule]
         assert info.history[-1]["temperature"] == pytest.approx(temps[rule])
+        # the grid's choice (a temperature the shift did not decide is refined between its
+        # grid neighbours: at most half a step, tuning.refined_temperature)
+        on_grid[rule] = info.history[-1].get("temperature_grid", temps[rule])
+        assert on_grid[rule] / 1.1 < temps[rule] < on_grid[rule] * 1.1
     clean, shift = _brute_force_nll(bnn, val, scales), _brute_force_nll(bnn, shifted, scales)
     flat = int(clean.mean(-1).argmin())
     assert chosen["min"] == pytest.approx(scales[flat // len(TEMPERATURES)])
-    assert temps["min"] == pytest.approx(TEMPERATURES[flat % len(TEMPERATURES)])
+    assert on_grid["min"] == pytest.approx(TEMPERATURES[flat % len(TEMPERATURES)])
     x, y = val.dataset.tensors
     logits = mlp()(x).detach().double()
     base = torch.stack([nn.functional.cross_entropy(logits / t, y, reduction="none")
@@ -263,7 +267,7 @@ def test_scale_chosen_on_validation_matches_brute_force_and_round_trips(tmp_path
     reference = base[int(base.mean(1).argmin())]
     v, t = choose_joint(clean, shift, reference, prefer="largest", grid=scales)
     assert chosen["shift"] == pytest.approx(scales[v])
-    assert temps["shift"] == pytest.approx(TEMPERATURES[t])
+    assert on_grid["shift"] == pytest.approx(TEMPERATURES[t])
     # the shift rule is never clearly worse than the calibrated start on clean data
     diff = clean[v, t] - reference
     # (or, when no pair is that close, the pair with the lowest clean NLL of all)
