@@ -254,7 +254,7 @@ def test_scale_chosen_on_validation_matches_brute_force_and_round_trips(tmp_path
         assert info.history[-1]["temperature"] == pytest.approx(temps[rule])
         # the grid's choice (a temperature the shift did not decide is refined between its
         # grid neighbours: at most half a step, tuning.refined_temperature)
-        on_grid[rule] = info.history[-1].get("temperature_grid", temps[rule])
+        on_grid[rule] = info.history[-1]["temperature_on_grid"]
         assert on_grid[rule] / 1.1 < temps[rule] < on_grid[rule] * 1.1
     clean, shift = _brute_force_nll(bnn, val, scales), _brute_force_nll(bnn, shifted, scales)
     flat = int(clean.mean(-1).argmin())

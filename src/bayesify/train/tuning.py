@@ -21,9 +21,10 @@ every candidate twice:
 
 Among feasible (knob value, temperature) pairs the one with the lowest shifted NLL is
 chosen (:func:`bayesify.core.selection.choose_joint`); ties go to the broadest posterior
-(``knob.prefer``). Where a feasible choice's temperature is also that value's lowest clean NLL on
-the grid (the shift did not bind), it is refined between its grid neighbours
-(:func:`refined_temperature`; the record keeps the grid's value as ``temperature_grid``). A value costs a pass over the split each (clean; shifted only where some
+(``knob.prefer``). Where a feasible choice's temperature is also that value's lowest clean
+NLL on the grid (the shift did not bind), it is refined between its grid neighbours
+(:func:`refined_temperature`; the record keeps the grid's value as ``temperature_on_grid``).
+A value costs a pass over the split each (clean; shifted only where some
 temperature makes it feasible), so a grid of more than :data:`FULL_GRID` values is walked
 coarse to fine (:class:`_KnobWalk`; ``Knob.walk``): every other value, then the unscored
 neighbours of the choice and of the broadest feasible value until they have none. The temperature acts on the predictive's log-probabilities
@@ -58,7 +59,7 @@ process would. The curves go into the record::
 
     {name: value, f"{name}_grid": [...], f"{name}_val_nll": [...],  # None: not scored
      f"{name}_shift_nll": [...],
-     "temperature": T, "temperature_grid": T on the grid (where refined; "val_nll" is there),
+     "temperature": T, "temperature_on_grid": the grid's T ("val_nll" is there; T where not refined),
      "start_tempered_val_nll": ..., "shift": {kind: strength} | "shift_loader"}
 
 ``fit(val_loader=...)`` runs it after the last epoch; :func:`tune` runs it on its own
@@ -470,11 +471,9 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             v, t = walk.run()
             clean, shifted = walk.clean, walk.shifted
             chosen_t = TEMPERATURES[columns[t]]
+            record["temperature_on_grid"] = chosen_t  # every search's (the heads' after the family's)
             if temperature and REFINE and walk.chosen_feasibly(v, t):
-                refined = refined_temperature(clean[v], columns, t, floor=floor)
-                if refined != chosen_t:
-                    record["temperature_grid"] = chosen_t
-                    chosen_t = refined
+                chosen_t = refined_temperature(clean[v], columns, t, floor=floor)
             if knob is not None:
                 knob.set(values[v])
                 record.update(_curves(knob, values, v, columns[t], clean, shifted))
