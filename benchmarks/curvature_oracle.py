@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -40,6 +41,29 @@ def nll(log_probs: torch.Tensor, y: torch.Tensor) -> float:
 
 def entropy(log_probs: torch.Tensor) -> torch.Tensor:
     return -(log_probs.exp() * log_probs).sum(-1)
+
+
+def scored(tau: float, log_probs: dict[str, torch.Tensor], labels: torch.Tensor,
+           shifted: Iterable[str], auroc: Callable[[torch.Tensor, torch.Tensor], float],
+           ) -> list[tuple[float, ...]]:
+    """``(τ, T, clean, shift, AUROC)`` at every temperature of the predictive ``log_probs``
+    (``'test'``, ``'ood'`` and every shift's key) at one τ."""
+    out = []
+    for t in TEMPERATURES:
+        scaled = {k: torch.log_softmax(v / t, -1) for k, v in log_probs.items()}
+        shift = sum(nll(scaled[k], labels) for k in shifted) / len(list(shifted))
+        out.append((tau, t, nll(scaled["test"], labels), shift,
+                    auroc(scaled["test"], scaled["ood"])))
+    return out
+
+
+def frontier(points: list[tuple[float, ...]], start_clean: float,
+             ) -> tuple[list[tuple[float, ...]], tuple[float, ...], tuple[float, ...]]:
+    """Of ``(τ, T, clean, shift, AUROC)`` points: those within 0.005 of the start's clean
+    NLL, the one with the lowest shift NLL among them and the one with the highest AUROC."""
+    feasible = [pt for pt in points if pt[2] <= start_clean + 0.005]
+    return (feasible, min(feasible, key=lambda pt: pt[3]),
+            max(feasible, key=lambda pt: pt[4]))
 
 
 def probit(feats: torch.Tensor, logits: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -101,14 +125,8 @@ def main(argv: list[str] | None = None) -> None:
             blocks = cov.view(c, d, c, d).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
 
             lp = {k: probit(f, logits, blocks) for k, (f, logits) in sets.items() if k != "val"}
-            for t in TEMPERATURES:
-                scaled = {k: torch.log_softmax(v / t, -1) for k, v in lp.items()}
-                shift = sum(nll(scaled[k], ty) for k in shifted) / len(shifted)
-                points.append((tau, t, nll(scaled["test"], ty), shift,
-                               auroc(scaled["test"], scaled["ood"])))
-        feasible = [pt for pt in points if pt[2] <= start_t + 0.005]
-        best = min(feasible, key=lambda pt: pt[3])
-        top = max(feasible, key=lambda pt: pt[4])
+            points += scored(tau, lp, ty, list(shifted), auroc)
+        _, best, top = frontier(points, start_t)
         print(f"  {name:16s} best shift {best[3]:.3f} ({best[3] / start_shift:.3f}× start; τ "
               f"{best[0]:.3g}, T {best[1]:.3g}, clean {best[2]:.4f}, AUROC {best[4]:.4f}) | best "
               f"AUROC {top[4]:.4f} (τ {top[0]:.3g}, T {top[1]:.3g}, shift "

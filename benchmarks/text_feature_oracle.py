@@ -28,23 +28,14 @@ from sklearn.metrics import roc_auc_score
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import text_protocol
+from curvature_oracle import TAUS, TEMPERATURES, entropy, frontier, nll, scored
 from protocols import PROTOCOLS
 
 from bayesify.core.walker import find_classifier
 from bayesify.kit import feature_layers
 from bayesify.methods.laplace.curvature import augmented_features
 
-TAUS = torch.logspace(-6, 4, 21).tolist()
-TEMPERATURES = torch.logspace(math.log10(0.05), math.log10(4), 18).tolist()
 SIGMA = 10.0
-
-
-def nll(log_probs: torch.Tensor, y: torch.Tensor) -> float:
-    return float(-log_probs.gather(1, y[:, None]).mean())
-
-
-def entropy(log_probs: torch.Tensor) -> torch.Tensor:
-    return -(log_probs.exp() * log_probs).sum(-1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,13 +107,8 @@ def main(argv: list[str] | None = None) -> None:
                 if mode != "phi":
                     var = var + (projections[k] @ (1.0 / (trunk.eig + tau))).unsqueeze(-1)
                 lp[k] = torch.log_softmax(logits / torch.sqrt(1 + math.pi / 8 * var), -1)
-            for t in TEMPERATURES:
-                s = {k: torch.log_softmax(v / t, -1) for k, v in lp.items()}
-                shift = sum(nll(s[k], ty) for k in shifted) / len(shifted)
-                points.append((tau, t, nll(s["test"], ty), shift, auroc(s["test"], s["ood"])))
-        feasible = [pt for pt in points if pt[2] <= start_clean + 0.005]
-        best = min(feasible, key=lambda pt: pt[3])
-        top = max(feasible, key=lambda pt: pt[4])
+            points += scored(tau, lp, ty, list(shifted), auroc)
+        feasible, best, top = frontier(points, start_clean)
         soft = min((pt for pt in feasible if pt[1] >= 0.999), key=lambda pt: pt[3])
         print(f"  {mode:9s} best shift {best[3] / start_shift:.3f}x (τ {best[0]:.3g}, T "
               f"{best[1]:.3g}, AUROC {best[4]:.4f}) | best AUROC {top[4]:.4f} (shift "
