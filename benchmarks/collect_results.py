@@ -60,6 +60,15 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session21.md", "The search's temperature between grid points; what the text "
+             "encoder's features can reach",
+             "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol P --seeds S "
+             "--save-seeds --methods abnn batchensemble dropout ensemble epinet hypernet ibnn "
+             "laplace meanfield mnf rank1 swag deep-ensemble-x5 laplace-torch (978080e; ViT at "
+             "cc8a62d, the same choices); python benchmarks/per_seed.py ...; "
+             "BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 pytest -m slow "
+             "tests/test_stress_pretrained.py::test_every_family_with_defaults_on_every_trap; "
+             "python benchmarks/text_feature_oracle.py --seed S; bayesify demo --seed S"),
         Part("session20.md", "A third protocol on a real text encoder: the search's "
              "sharpening made every family worse under wording shifts, and no longer does",
              "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol minilm-text "
