@@ -463,3 +463,32 @@ def test_a_search_with_nothing_feasible_keeps_the_grid_temperature(trained, monk
     monkeypatch.setattr(tuning._KnobWalk, "chosen_feasibly", lambda self, v, t: True)
     record = searched()
     assert record["temperature"] != record["temperature_on_grid"]
+
+
+def test_the_heads_keep_what_the_family_reached_at_its_grid_temperature(trained, monkeypatch):
+    """The heads' reference (what the family reached) is read at the family's grid
+    temperature, not its refined one (a family below the grid reference by the refinement
+    alone changed what the heads chose: stress matrix, token transformer, seed 1); the
+    refined temperature is installed again afterwards."""
+    from bayesify.kit import laplace_heads
+    from bayesify.train import tuning
+
+    bnn = bayesify(trained, "ensemble", components=2)
+    assert laplace_heads.enabled(bnn)
+    seen: list[float] = []
+
+    def search(knobs, keep=None, start=None):
+        if keep is None:  # the family's search: refined 1 -> 1.07
+            bnn.state.set("temperature", 1.07)
+            return {"temperature": 1.07, "temperature_on_grid": 1.0}
+        assert bnn.state.value("temperature") == pytest.approx(1.07)
+        return {}
+
+    def scores():
+        seen.append(bnn.state.value("temperature"))
+        return torch.zeros(3), torch.zeros(3)
+
+    monkeypatch.setattr(laplace_heads, "fit_heads", lambda source: {})
+    tuning.search_with_heads(bnn, search, scores, heads_source=None)
+    assert seen == [pytest.approx(1.0)]
+    assert bnn.state.value("temperature") == pytest.approx(1.07)
