@@ -140,16 +140,17 @@ COARSE_TO_FINE = True
 #: where the chosen temperature is also its knob value's lowest clean validation NLL on the
 #: grid (the shift did not bind) and the choice is feasible, it is refined between its grid
 #: neighbours to the vertex of the parabola through the three (log T, mean NLL) points —
-#: what temperature scaling does continuously. Not where nothing was feasible (the search's
-#: fallback to the lowest clean NLL): refined, an infeasible trained state came closer to the
-#: start and was kept instead of the start, and on the ViT protocol's seed 1 meanfield and
-#: SWAG then lost 1.2 and 1.4 points of test accuracy (benchmarks/results/session21.md).
-#: The starting network's reference stays at its grid temperature: refined too, the start at
-#: the neighbouring grid temperatures became infeasible against it (the paired SE of one
+#: what temperature scaling does continuously. On the text protocol's seed 2 the grid's step
+#: (×1.19) had left six families at T = 1 where temperature scaling's optimum is 1.07,
+#: 0.006–0.007 nats over it on test (benchmarks/results/session21.md). Not where nothing was
+#: feasible (the search's fallback to the lowest clean NLL): refined, an infeasible trained
+#: state came closer to the start and was kept instead of the start, and on the ViT
+#: protocol's seed 1 meanfield and SWAG then lost 1.2 and 1.4 points of test accuracy. The
+#: starting network's reference stays at its grid temperature: refined too, the start at the
+#: neighbouring grid temperatures became infeasible against it (the paired SE of one
 #: network's logits at two temperatures is ~0), and dropout on the ViT protocol's seed 1 left
-#: the start for a trained rate (+0.021 nats over MAP + TS on test, shift 0.48× → 0.70×). On the text protocol's seed 2 the grid's step (×1.19) left six families at
-#: T = 1 where temperature scaling's optimum is 1.07, 0.006–0.007 nats over it on test
-#: (benchmarks/results/session21.md). False: the grid's value.
+#: the start for a trained rate (+0.021 nats over MAP + TS on test, shift 0.48× → 0.70×).
+#: False: the grid's value.
 REFINE = True
 
 
@@ -471,7 +472,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             v, t = walk.run()
             clean, shifted = walk.clean, walk.shifted
             chosen_t = TEMPERATURES[columns[t]]
-            record["temperature_on_grid"] = chosen_t  # every search's (the heads' after the family's)
+            record["temperature_on_grid"] = chosen_t  # every search's: the heads' after the family's
             if temperature and REFINE and walk.chosen_feasibly(v, t):
                 chosen_t = refined_temperature(clean[v], columns, t, floor=floor)
             if knob is not None:
@@ -590,13 +591,17 @@ class _KnobWalk:
             self.shifted[i] = self.shifted_nll(i)
         self.bar.update(1)
 
-    def could_be_chosen(self, clean: torch.Tensor, errors: torch.Tensor) -> bool:
-        """Whether some temperature makes a value with clean scores ``[T, n]`` (at
+    def feasible_columns(self, clean: torch.Tensor, errors: torch.Tensor) -> torch.Tensor:
+        """``[T]``: which temperatures make a value with clean scores ``[T, n]`` (at
         ``columns``) and errors ``[n]`` feasible and admissible."""
-        return bool((feasible(clean[None], self.reference, favourable=self.favourable)
-                     & _admissible(clean[None], errors[None], error_cap=self.error_cap,
-                                   reference=self.reference, below=self.below,
-                                   favourable=self.favourable)).any())
+        return (feasible(clean[None], self.reference, favourable=self.favourable)
+                & _admissible(clean[None], errors[None], error_cap=self.error_cap,
+                              reference=self.reference, below=self.below,
+                              favourable=self.favourable))[0]
+
+    def could_be_chosen(self, clean: torch.Tensor, errors: torch.Tensor) -> bool:
+        """Whether some temperature makes the value feasible and admissible."""
+        return bool(self.feasible_columns(clean, errors).any())
 
     def chosen_feasibly(self, v: int, t: int) -> bool:
         """Whether value ``v`` at position ``t`` of ``columns`` is feasible and admissible (a
@@ -604,12 +609,7 @@ class _KnobWalk:
         rule is the plain clean minimum (``'min'``)."""
         if self.knob is not None and self.knob.rule == "min":
             return True
-        clean = self.clean[v][self.columns]
-        ok = (feasible(clean[None], self.reference, favourable=self.favourable)
-              & _admissible(clean[None], self.errors[v][None], error_cap=self.error_cap,
-                            reference=self.reference, below=self.below,
-                            favourable=self.favourable))
-        return bool(ok[0, t])
+        return bool(self.feasible_columns(self.clean[v][self.columns], self.errors[v])[t])
 
     def edge(self) -> int:
         """The broadest scored value (``knob.prefer``) that some temperature makes feasible
