@@ -5,6 +5,7 @@ and said; the CLI exits non-zero and ``bayesify calibrate`` refuses when even th
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from bayesify import bayesify, fit
+from bayesify.train import best as best_module
 from bayesify.train.best import clearly_worse
 
 
@@ -121,7 +123,9 @@ def test_a_fit_the_search_cannot_make_feasible_hands_back_the_start():
 
 def test_a_good_fit_keeps_its_last_state(pretrained):
     net, data = pretrained
-    bnn = bayesify(net, "ibnn", init_mean_std=0.0)
+    # the never-worse rule alone (with Laplace heads the start with them is weighed too:
+    # tests/test_start_with_heads.py)
+    bnn = bayesify(net, "ibnn", init_mean_std=0.0, laplace_heads=False)
     result = fit(bnn, data, val_loader=data, lr=0.01, epochs=2, progress=False, seed=0)
     assert result.last["kept"] == "last" and result.last["worse_than_start"] is False
 
@@ -295,13 +299,29 @@ def test_only_the_handed_back_states_search_speaks(pretrained, monkeypatch):
     assert said == ["search 2 of this fit"]
 
     calls.clear()  # a fit that keeps its last state: its one search speaks
-    bnn = bayesify(net, "ibnn")
+    torch.manual_seed(0)  # the initial posterior's draws
+    bnn = bayesify(net, "ibnn", laplace_heads=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = fit(bnn, data, val_loader=data, lr=0.01, epochs=2, progress=False, seed=0)
     assert result.last.get("kept", "last") == "last" and calls == [1]
     assert [str(w.message) for w in caught if str(w.message).startswith("search ")] == \
         ["search 1 of this fit"]
+
+    # with Laplace heads the start is searched with them too (every knob neutral): the
+    # search of the state handed back speaks, whichever it is
+    for threshold in (math.inf, -math.inf):
+        calls.clear()
+        monkeypatch.setattr(best_module, "START_SHIFT_SE", threshold)
+        torch.manual_seed(0)
+        bnn = bayesify(net, "ibnn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = fit(bnn, data, val_loader=data, lr=0.01, epochs=2, progress=False, seed=0)
+        kept = result.last.get("kept", "last")
+        assert kept == ("last" if threshold > 0 else "start") and calls == [1, 2]
+        assert [str(w.message) for w in caught if str(w.message).startswith("search ")] == \
+            [f"search {1 if kept == 'last' else 2} of this fit"]
 
 
 @pytest.mark.parametrize("last_accuracy, kept", [(0.85, "epoch 8"), (256 / 300, "last")])
@@ -323,7 +343,7 @@ def test_a_state_below_the_searchs_accuracy_tolerance_is_not_handed_back(last_ac
     best.state = SimpleNamespace(bnn=SimpleNamespace(
         load_state_dict=lambda t, strict: net.load_state_dict(t, strict=strict),
         eval=lambda: None), ctx=SimpleNamespace(is_main=True))
-    best.active, best.restores, best.start_state = True, True, None
+    best.active, best.restores, best.start_state, best.weighs_start = True, True, None, False
     best.start = {"accuracy": 259 / 300, "nll": 0.9276, "n": 300}
     best.best, best.best_epoch = tensors[1.0], 8
     best.best_metrics = {"val_nll": 0.684, "val_accuracy": 259 / 300}

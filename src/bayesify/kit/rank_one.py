@@ -182,6 +182,20 @@ class RankOneLayer(BayesianLayer):
                 f"member_bias={self.member_bias is not None}")
 
 
+def network_state(bnn: nn.Module) -> dict[str, torch.Tensor]:
+    """The ``state_dict`` entries that make every member the base network (at noise scale 0
+    for rank1): every fast weight ``r``, ``s`` at 1 (the initial ones are spread around 1, so
+    the state a fit began with is not the network; ``fit``'s keep-best falls back to this one
+    and weighs it, with Laplace heads, against the trained members). The members' biases
+    start as the base bias and stay as the fit began."""
+    out = {}
+    for name, layer in bnn.named_modules():
+        if isinstance(layer, RankOneLayer):
+            out[f"{name}.r"] = torch.ones_like(layer.r)
+            out[f"{name}.s"] = torch.ones_like(layer.s)
+    return out
+
+
 def spread_per_network(layers: dict[str, nn.Module], *, init: str) -> float:
     """Make the rank-one layers' spreads the whole network's: the 'normal' initial factors'
     offsets from 1, the posterior stds and the prior std are divided by √(2L) for L

@@ -85,6 +85,8 @@ class TrainContext:
     #: the warnings of the latest knob search, held back until fit knows whether the state
     #: they were said about is the one it hands back (``loop._search``)
     search_warnings: list[Any] = field(default_factory=list)
+    #: the latest knob search's per-example shifted validation NLL of its choice (``"shift"``)
+    search_scores: dict[str, torch.Tensor] = field(default_factory=dict)
     #: values steps logged for the current epoch's record
     logged: dict[str, Any] = field(default_factory=dict)
 
@@ -198,7 +200,8 @@ class TrainContext:
         return search_knobs(self.bnn, knobs, self.val_batches, self.ctx,
                             shift_batches=self.shift_batches if self.shift_loader is not None
                             else None, progress=self.show_progress and self.is_main, keep=keep,
-                            start=start, whole_split=self.whole_val_batches)
+                            start=start, whole_split=self.whole_val_batches,
+                            scores=self.search_scores)
 
     def clean_scores(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``[n]`` per-example clean validation NLL and error of the predictive as it is now."""

@@ -90,7 +90,7 @@ from bayesify.train.steps import (
     flush_group,
     train_step,
 )
-from bayesify.train.tuning import search_with_heads
+from bayesify.train.tuning import neutral_knobs, one_sample_per_component, search_with_heads
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -355,7 +355,11 @@ def fit(
                 # earlier state (or the start: every knob neutral, T = 1) is searched again
                 adopt_search(record, *search())
             held, kept = state.search_warnings, record.get("kept", "last")
-            best.retry_start(record, search)
+            neutral = (functools.partial(_search_from_the_network, state, method, validate)
+                       if laplace_heads.enabled(bnn) else None)
+            best.retry_start(record, search, neutral=neutral,
+                             family_shift=state.search_scores.get("shift"),
+                             scores=state.search_scores)
             if record.get("kept", "last") == kept:  # the start's search, if any, not adopted
                 state.search_warnings = held
             if "kept_val_nll" in record:
@@ -371,7 +375,7 @@ def fit(
         return result
 
 
-def _search(state: TrainContext, method: Any) -> dict[str, Any]:
+def _search(state: TrainContext, method: Any, *, knobs: list[Any] | None = None) -> dict[str, Any]:
     """The validation search of the model's current state (:func:`search_with_heads`).
 
     Its warnings (a knob at an end of its grid) are held in ``state.search_warnings``, not
@@ -381,7 +385,7 @@ def _search(state: TrainContext, method: Any) -> dict[str, Any]:
     :func:`_release_warnings` shows the adopted search's."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        record = search_with_heads(state.bnn, state.tune, state.clean_scores, state)
+        record = search_with_heads(state.bnn, state.tune, state.clean_scores, state, knobs=knobs)
     state.search_warnings = list(caught)
     return record
 
@@ -399,11 +403,23 @@ def _release_warnings(state: TrainContext) -> None:
 
 
 def _search_and_validate(state: TrainContext, method: Any,
-                         validate: Callable[..., dict[str, Any]]) -> tuple[dict, dict]:
-    """The knob search on the model's current state, then its validation metrics."""
-    search = _search(state, method)
+                         validate: Callable[..., dict[str, Any]], *,
+                         knobs: list[Any] | None = None) -> tuple[dict, dict]:
+    """The knob search on the model's current state (``knobs``: :func:`search_with_heads`'s),
+    then its validation metrics."""
+    search = _search(state, method, knobs=knobs)
     metrics = validate(desc="validate the kept state")
     return search, {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}
+
+
+def _search_from_the_network(state: TrainContext, method: Any,
+                             validate: Callable[..., dict[str, Any]]) -> tuple[dict, dict]:
+    """:func:`_search_and_validate` of the starting state with every knob neutral (each
+    member the network: :func:`~bayesify.train.tuning.neutral_knobs`), one sample per
+    component where that makes the samples equal."""
+    knobs = neutral_knobs(method.knobs(state.bnn))
+    with one_sample_per_component(state.bnn, knobs):
+        return _search_and_validate(state, method, validate, knobs=knobs)
 
 
 def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str, Any] | None, *,

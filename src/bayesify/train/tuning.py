@@ -68,6 +68,7 @@ process would. The curves go into the record::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -389,7 +390,8 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                  progress: bool = False,
                  keep: tuple[torch.Tensor, torch.Tensor] | None = None,
                  start: dict[str, Any] | None = None,
-                 whole_split: Batches | None = None) -> dict[str, Any]:
+                 whole_split: Batches | None = None,
+                 scores: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Choose every knob in turn, each jointly with the temperature (see the module
     docstring); installs the choice and returns the record.
 
@@ -413,7 +415,11 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     next reuse it instead of another pass of the start over the split and its shift ladder.
 
     ``whole_split``: the validation split as one process streams it, unsharded (the shift
-    ladder's calibration on the main process: :func:`starting_point`)."""
+    ladder's calibration on the main process: :func:`starting_point`).
+
+    ``scores``: a dict that receives the choice's per-example shifted validation NLL ``[m]``
+    (``"shift"``, every rank's shard in rank order) where the search scored it: what
+    :func:`bayesify.train.best.BestState.try_start_with_heads` pairs two searched states on."""
     if not knobs and not temperature:
         return {}
     record: dict[str, Any] = {}
@@ -490,6 +496,8 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             record["val_nll"] = float(clean[v][columns[t]].mean())
             if shifted[v] is not None:
                 record["val_shift_nll"] = float(shifted[v][columns[t]].mean())
+                if scores is not None:
+                    scores["shift"] = shifted[v][columns[t]]
         bar.close()
         bnn.state.set("temperature", record["temperature"])
         bnn.temperature_source = "search" if temperature else "default"
@@ -812,16 +820,18 @@ class _HeadsPass:
 
 def search_with_heads(bnn: BayesianModel, search: Callable[..., dict[str, Any]],
                       scores: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-                      heads_source: Any) -> dict[str, Any]:
+                      heads_source: Any, *, knobs: list[Knob] | None = None) -> dict[str, Any]:
     """The validation search of the model's current state, in ``fit`` and :func:`tune`: the
     family's knobs (with the temperature); then, with ``laplace_heads``, the heads fitted on
     the members as searched (a knob such as iBNN's noise scale changes their features) over
     ``heads_source``'s training batches and their τ with the temperature, kept to what the
     family reached (``scores``: :func:`installed_scores`). ``search(knobs, keep=, start=)``
-    runs :func:`search_knobs` on the split; both searches share the start's pass."""
+    runs :func:`search_knobs` on the split; both searches share the start's pass.
+    ``knobs``: the family's knobs to search (default: all it declares; :func:`neutral_knobs`
+    for the starting state with heads)."""
     laplace_heads.unfit(bnn)  # heads of an earlier state (keep-best) are stale
     start: dict[str, Any] = {}
-    record = search(bnn.method.knobs(bnn), start=start)
+    record = search(bnn.method.knobs(bnn) if knobs is None else knobs, start=start)
     if laplace_heads.enabled(bnn):  # member-wise Laplace heads (issue 31)
         # what the family reached, at its grid temperature (the start's reference is on the
         # grid: a refined family below it by the refinement alone became the heads'
@@ -836,6 +846,44 @@ def search_with_heads(bnn: BayesianModel, search: Callable[..., dict[str, Any]],
         record.update(laplace_heads.fit_heads(heads_source))
         record.update(search(laplace_heads.heads_knob(bnn), keep=own, start=start))
     return record
+
+
+def neutral_knobs(knobs: list[Knob]) -> list[Knob]:
+    """Each knob with its grid reduced to its neutral value — where every member of a
+    starting state is the network itself: a spread multiplier's 0 (``one_sample_at``, scored
+    with one sample per component), a member temperature's initial 1 (the members of a
+    starting ensemble are copies), else its narrowest grid value (SWAG's start has no
+    spread: any scale is the network)."""
+    out = []
+    for knob in knobs:
+        if knob.one_sample_at is not None:
+            value = knob.one_sample_at
+        elif knob.initial is not None:
+            value = knob.initial
+        else:
+            value = min(knob.grid) if knob.prefer == "largest" else max(knob.grid)
+        out.append(dataclasses.replace(knob, grid=(float(value),)))
+    return out
+
+
+@contextlib.contextmanager
+def one_sample_per_component(bnn: BayesianModel, knobs: list[Knob]) -> Iterator[None]:
+    """Inside: the family predicts with one sample per component (``predict_samples=1``)
+    where every knob is fixed at its ``one_sample_at`` value — every sample of a component
+    is then the same network, so the predictive, the heads' curvature (averaged over a
+    component's samples) and their search are those of the default S samples at 1/S of the
+    member forwards (iBNN: 4 of 20). Nothing changes otherwise."""
+    config = bnn.method.config
+    fixed = bool(knobs) and all(k.one_sample_at is not None and k.grid == (k.one_sample_at,)
+                                for k in knobs)
+    if not fixed or not hasattr(config, "predict_samples") or config.default_samples() == 1:
+        yield
+        return
+    bnn.method.config = dataclasses.replace(config, predict_samples=1)
+    try:
+        yield
+    finally:
+        bnn.method.config = config
 
 
 def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | None = None,

@@ -10,7 +10,7 @@ from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Step
 from bayesify.core.method import wrapper_table
 from bayesify.kit.knobs import MemberTemperature
-from bayesify.kit.rank_one import RankOneLayer, RankOneTiledMethod
+from bayesify.kit.rank_one import RankOneLayer, RankOneTiledMethod, network_state
 from bayesify.kit.steps import ElboStep, Tiled
 from bayesify.methods.batchensemble.config import BatchEnsembleConfig
 
@@ -53,9 +53,11 @@ class BatchEnsembleMethod(MemberTemperature, RankOneTiledMethod):
         # constant-rate run, and without a validation split nothing picks a good state: the
         # last iterate of a depthwise BN CNN swung 0.85–0.92 between epochs and ended 2.7
         # points below its start (issue 30); annealed to 0, it ended 6 points above.
-        return ElboStep(Tiled(self.components), lr=0.05 * self.components,
+        step = ElboStep(Tiled(self.components), lr=0.05 * self.components,
                         groups=self.param_groups,
                         defaults={"clip_grad_norm": 1.0, "lr_schedule": "cosine"})
+        step.network_state = network_state  # the start as the network itself
+        return step
 
     def param_groups(self, bnn: BayesianModel, *, lr: float, weight_decay: float) -> list[dict[str, Any]]:
         """Fast weights at ``lr · fast_lr_mult``; biases / per-member BN at ``lr``."""

@@ -10,7 +10,7 @@ from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Step
 from bayesify.core.method import wrapper_table
 from bayesify.kit.knobs import SpreadKnob
-from bayesify.kit.rank_one import RankOneLayer, RankOneTiledMethod
+from bayesify.kit.rank_one import RankOneLayer, RankOneTiledMethod, network_state
 from bayesify.kit.steps import ElboStep, Tiled
 from bayesify.methods.rank1.config import Rank1Config
 
@@ -55,5 +55,7 @@ class Rank1Method(SpreadKnob, RankOneTiledMethod):
         # step at the end of a constant-rate run; without a validation split the last
         # iterate of a depthwise BN CNN ended 11 points below its start (issue 30; annealed:
         # 5 above)
-        return ElboStep(Tiled(self.components), lr=0.05 * self.components,
+        step = ElboStep(Tiled(self.components), lr=0.05 * self.components,
                         defaults={"clip_grad_norm": 1.0, "lr_schedule": "cosine"})
+        step.network_state = network_state  # the start as the network itself
+        return step
