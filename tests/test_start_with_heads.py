@@ -82,14 +82,21 @@ def test_the_start_with_heads_replaces_a_trained_state_only_when_clearly_better(
     def neutral():
         assert torch.all(net.weight == 1.0)  # searched on the start
         scores["shift"] = family_shift + offset + noise
-        return ({"knob": 0.0, "val_nll": start_nll, "val_shift_nll": float(scores["shift"].mean())},
-                {"val_nll": start_nll, "val_accuracy": 0.9})
+        return {"knob": 0.0, "val_nll": start_nll, "val_shift_nll": float(scores["shift"].mean())}
+
+    measured = []
+
+    def measure():  # validated only when it is kept
+        assert torch.all(net.weight == 1.0)
+        measured.append(1)
+        return {"val_nll": start_nll - 0.0005, "val_accuracy": 0.9}
 
     record = {"kept": "last", "kept_val_nll": 0.301, "kept_val_accuracy": 0.9, "knob": 1.0,
               "val_nll": 0.301, "val_shift_nll": float(family_shift.mean()),
               "start_tempered_val_nll": 0.3}
     best.retry_start(record, lambda: pytest.fail("the full retry ran"), neutral=neutral,
-                     family_shift=family_shift, scores=scores)
+                     measure=measure, family_shift=family_shift, scores=scores)
+    assert len(measured) == (kept == "start")
     d = (family_shift + offset + noise) - family_shift
     z = float(d.mean() / (d.std() / math.sqrt(len(d))))
     assert record["start_heads_shift_z"] == pytest.approx(z)
@@ -97,7 +104,7 @@ def test_the_start_with_heads_replaces_a_trained_state_only_when_clearly_better(
     assert record["kept"] == kept and best.initial is None
     if kept == "start":
         assert torch.all(net.weight == 1.0) and record["knob"] == 0.0
-        assert record["kept_val_nll"] == start_nll
+        assert record["kept_val_nll"] == start_nll - 0.0005 and record["start_heads_val_nll"] == start_nll
         assert record["kept_val_shift_nll"] == pytest.approx(float(scores["shift"].mean()))
     else:
         assert torch.all(net.weight == 2.0) and record["knob"] == 1.0

@@ -268,7 +268,7 @@ class BestState:
         return self.initial
 
     def retry_start(self, record: dict[str, Any], retune: Any, *, neutral: Any = None,
-                    family_shift: torch.Tensor | None = None,
+                    measure: Any = None, family_shift: torch.Tensor | None = None,
                     scores: dict[str, torch.Tensor] | None = None) -> None:
         """When the state kept at the end is still infeasible after its search
         (:func:`infeasible` on ``kept_val_nll``), search the starting state too and keep it
@@ -285,16 +285,16 @@ class BestState:
         searched states are weighed by the search's own rule (:func:`searched_better`).
 
         Otherwise, for a family with heads (``neutral``: the search with every knob at its
-        neutral value, :func:`~bayesify.train.tuning.neutral_knobs`), the trained state kept
-        at the end is weighed against the starting network with its heads:
-        :meth:`_start_with_heads`."""
+        neutral value, :func:`~bayesify.train.tuning.neutral_knobs`; ``measure``: the
+        validation metrics of the model's state), the trained state kept at the end is
+        weighed against the starting network with its heads: :meth:`_start_with_heads`."""
         kept = record.get("kept", "last")
         if kept == "start":
             self.initial = None
             return
         if not (_rescued_by_heads(record) or _above_start(record.get("kept_val_nll"), record)):
             if neutral is not None and kept == "last" and family_shift is not None:
-                self._start_with_heads(record, neutral, family_shift, scores or {})
+                self._start_with_heads(record, neutral, measure, family_shift, scores or {})
             self.initial = None
             return
         tensors = self.start_tensors()
@@ -316,15 +316,16 @@ class BestState:
             bnn.load_state_dict(current, strict=False)
         bnn.eval()
 
-    def _start_with_heads(self, record: dict[str, Any], neutral: Any,
+    def _start_with_heads(self, record: dict[str, Any], neutral: Any, measure: Any,
                           family_shift: torch.Tensor, scores: dict[str, torch.Tensor]) -> None:
         """The feasible trained state, searched with its member-wise Laplace heads, against
         the starting state with its knobs neutral — every member the network itself, with
         the heads: the ``laplace`` family's posterior in this family's form — searched the
-        same way (``neutral()``, returning ``(record, metrics)``; ``scores["shift"]`` then
-        holds its per-example shifted validation NLL, ``family_shift`` the trained state's).
-        The start is kept when it is feasible and its shifted validation NLL is lower by more
-        than :data:`START_SHIFT_SE` paired standard errors: a family whose training did not
+        same way (``neutral()``, returning its record; ``scores["shift"]`` then holds its
+        per-example shifted validation NLL, ``family_shift`` the trained state's). The start
+        is kept when it is feasible (its searched clean validation NLL) and its shifted
+        validation NLL is lower by more than :data:`START_SHIFT_SE` paired standard errors —
+        then validated (``measure()``) for the record: a family whose training did not
         give it a spread at least as good under shift as the network's own Laplace heads
         hands back the network with them. (On the ViT protocol's seed 2 the trained states
         of batchensemble, meanfield and MNF ended at 0.70-0.72x the start's test NLL under
@@ -338,19 +339,19 @@ class BestState:
         bnn = self.state.bnn
         current = _snapshot(bnn)
         bnn.load_state_dict(tensors, strict=False)
-        search, metrics = neutral()
+        search = neutral()
         start_shift = scores.get("shift")
         adopt = False
         if start_shift is not None and start_shift.shape == family_shift.shape:
             d = (start_shift - family_shift).double()
             z = float(d.mean() / (d.std() / len(d) ** 0.5).clamp_min(1e-12))
-            record.update({"start_heads_val_nll": metrics["val_nll"],
+            record.update({"start_heads_val_nll": search.get("val_nll"),
                            "start_heads_val_shift_nll": float(start_shift.mean()),
                            "start_heads_shift_z": z})
-            adopt = not _above_start(metrics["val_nll"], record) and z < -START_SHIFT_SE
+            adopt = not _above_start(search.get("val_nll"), record) and z < -START_SHIFT_SE
         if adopt:
             shifted = record["val_shift_nll"]
-            adopt_search(record, search, metrics)
+            adopt_search(record, search, measure())
             record["kept"] = "start"
             if self.state.ctx.is_main:
                 logger.warning(

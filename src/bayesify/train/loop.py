@@ -355,9 +355,10 @@ def fit(
                 # earlier state (or the start: every knob neutral, T = 1) is searched again
                 adopt_search(record, *search())
             held, kept = state.search_warnings, record.get("kept", "last")
-            neutral = (functools.partial(_search_from_the_network, state, method, validate)
+            neutral = (functools.partial(_search_from_the_network, state, method)
                        if laplace_heads.enabled(bnn) else None)
             best.retry_start(record, search, neutral=neutral,
+                             measure=functools.partial(_validated, validate),
                              family_shift=state.search_scores.get("shift"),
                              scores=state.search_scores)
             if record.get("kept", "last") == kept:  # the start's search, if any, not adopted
@@ -408,18 +409,22 @@ def _search_and_validate(state: TrainContext, method: Any,
     """The knob search on the model's current state (``knobs``: :func:`search_with_heads`'s),
     then its validation metrics."""
     search = _search(state, method, knobs=knobs)
+    return search, _validated(validate)
+
+
+def _validated(validate: Callable[..., dict[str, Any]]) -> dict[str, float]:
+    """The validation NLL and accuracy of the model's current state."""
     metrics = validate(desc="validate the kept state")
-    return search, {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}
+    return {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}
 
 
-def _search_from_the_network(state: TrainContext, method: Any,
-                             validate: Callable[..., dict[str, Any]]) -> tuple[dict, dict]:
-    """:func:`_search_and_validate` of the starting state with every knob neutral (each
-    member the network: :func:`~bayesify.train.tuning.neutral_knobs`), one sample per
-    component where that makes the samples equal."""
+def _search_from_the_network(state: TrainContext, method: Any) -> dict[str, Any]:
+    """:func:`_search` of the starting state with every knob neutral (each member the
+    network: :func:`~bayesify.train.tuning.neutral_knobs`), one sample per component where
+    that makes the samples equal."""
     knobs = neutral_knobs(method.knobs(state.bnn))
     with one_sample_per_component(state.bnn, knobs):
-        return _search_and_validate(state, method, validate, knobs=knobs)
+        return _search(state, method, knobs=knobs)
 
 
 def _optimisation(state: TrainContext, train_loader: Iterable, payload: dict[str, Any] | None, *,
