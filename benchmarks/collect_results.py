@@ -60,6 +60,15 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session22.md", "A trained family weighed against the network with its own "
+             "Laplace heads",
+             "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol P --seeds S "
+             "--save-seeds --threads 1 --methods ibnn ensemble rank1 batchensemble dropout abnn "
+             "meanfield hypernet mnf epinet swag laplace [deep-ensemble-x5] (0114638 and this "
+             "stop); --protocol minilm-text --methods batchensemble rank1 laplace ibnn swag "
+             "ensemble; python benchmarks/per_seed.py ... --json; python benchmarks/which_family.py "
+             "...; BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 pytest -m slow "
+             "tests/test_stress_pretrained.py::test_every_family_with_defaults_on_every_trap"),
         Part("session21.md", "The search's temperature between grid points; what the text "
              "encoder's features can reach",
              "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol P --seeds S "
