@@ -419,7 +419,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
 
     ``scores``: a dict that receives the choice's per-example shifted validation NLL ``[m]``
     (``"shift"``, every rank's shard in rank order) where the search scored it: what
-    :func:`bayesify.train.best.BestState.try_start_with_heads` pairs two searched states on."""
+    :meth:`bayesify.train.best.BestState._start_with_heads` pairs two searched states on."""
     if not knobs and not temperature:
         return {}
     record: dict[str, Any] = {}
