@@ -27,7 +27,10 @@ that builds its posterior from the whole trajectory (SWAG) is not rewound step b
 it says what its starting network is as a posterior (``step.start_state(bnn)``: ``state_dict``
 entries, e.g. SWAG's θ̄ = θ₀ with zero spread and the pretrained BatchNorm statistics), that
 start is the candidate beside the last state. Other steps are marked and warned about. A
-fresh fit only (a resumed one did not see its start).
+fresh fit, and a fit resumed from a checkpoint that holds what the rule had seen
+(:meth:`BestState.carry`: the start's validation metrics, the starting and best states),
+which then ends as the uninterrupted one; a checkpoint without it (written by an older
+bayesify) resumes without the rule.
 
 A lower accuracy with a better NLL is not "clearly worse" when it is what a few validation
 examples near the decision boundary give: at most max(:data:`FLIPPED_EXAMPLES`, two binomial
@@ -182,8 +185,15 @@ class BestState:
     the module docstring)."""
 
     def __init__(self, state: Any, start: dict[str, float] | None, *, fresh: bool,
-                 batch_fn: Any = None, samples_per_component: int | None = None) -> None:
+                 batch_fn: Any = None, samples_per_component: int | None = None,
+                 carried: tuple[dict[str, Any], dict[str, Any]] | None = None) -> None:
+        """``carried``: what :meth:`carry` wrote into the checkpoint a fit resumes from (the
+        start's validation metrics in ``start``, the starting and best states); a resumed
+        fit with it decides as the uninterrupted one would."""
         step = state.family
+        if carried is not None:
+            numbers, tensors = carried
+            start, fresh = numbers.get("start") or None, True
         self.state, self.start = state, start
         self.active = bool(start) and fresh and state.val_loader is not None
         self.restores = self.active and getattr(step, "trains_posterior", False)
@@ -191,16 +201,39 @@ class BestState:
         self.start_state = (getattr(step, "start_state", None)
                             if self.active and not self.restores else None)
         self.batch_fn, self.samples = batch_fn, samples_per_component
-        self.initial = _snapshot(state.bnn) if self.restores else None
-        network = getattr(step, "network_state", None)  # the start as the network itself
-        if self.initial is not None and network is not None:
-            self.initial.update(network(state.bnn))
         #: whether retry_start weighs the starting network with Laplace heads against a
         #: feasible trained state (the family has heads): the start is kept until then
         self.weighs_start = self.active and laplace_heads.enabled(state.bnn)
         self.best: dict[str, torch.Tensor] | None = None
         self.best_metrics: dict[str, float] = {}
         self.best_epoch = 0
+        if carried is not None:
+            self.initial = tensors.get("initial") if self.restores else None
+            self.best = tensors.get("best") if self.restores else None
+            if self.best is not None:
+                self.best_metrics = dict(numbers.get("best_metrics") or {})
+                self.best_epoch = int(numbers.get("best_epoch") or 0)
+            return
+        self.initial = _snapshot(state.bnn) if self.restores else None
+        network = getattr(step, "network_state", None)  # the start as the network itself
+        if self.initial is not None and network is not None:
+            self.initial.update(network(state.bnn))
+
+    def carry(self) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+        """What a checkpoint holds of this rule, ``(numbers, tensors)``: the start's
+        validation metrics, the best earlier epoch's, and (families that restore states)
+        the starting and best states on the CPU. Nothing for an inactive rule."""
+        if not self.active:
+            return {}, {}
+        numbers: dict[str, Any] = {"start": dict(self.start or {})}
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        if self.initial is not None:
+            tensors["initial"] = {k: v.detach().to("cpu", copy=True)
+                                  for k, v in self.initial.items()}
+        if self.best is not None:
+            numbers.update({"best_metrics": self.best_metrics, "best_epoch": self.best_epoch})
+            tensors["best"] = {k: v.detach().to("cpu", copy=True) for k, v in self.best.items()}
+        return numbers, tensors
 
     def see(self, record: dict[str, Any], *, is_last: bool) -> None:
         """After a validated epoch: keep its state when its validation NLL is the best yet

@@ -89,6 +89,10 @@ class TrainContext:
     search_scores: dict[str, torch.Tensor] = field(default_factory=dict)
     #: values steps logged for the current epoch's record
     logged: dict[str, Any] = field(default_factory=dict)
+    #: what the never-worse rules hold of the fit's start (``best``: :class:`BestState`,
+    #: ``start_guard``: :class:`StartGuard`), each with ``carry() -> (numbers, tensors)``:
+    #: written into every checkpoint so that a resumed fit ends as the uninterrupted one
+    carried: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.family is None:

@@ -290,9 +290,14 @@ def fit(
                  if val_loader is not None and payload is None else None)
         clock = FitClock(state, start_seconds=time.perf_counter() - started if start else None,
                          val_every=val_every, samples_per_component=val_samples_per_component)
+        # a resumed fit takes what the never-worse rules had seen from its checkpoint
         best = BestState(state, start, fresh=payload is None, batch_fn=batch_fn,
-                         samples_per_component=val_samples_per_component)
-        start_guard = StartGuard(state, fresh=payload is None)  # without a val_loader
+                         samples_per_component=val_samples_per_component,
+                         carried=ckpt.carried(payload, "best"))
+        start = best.start if best.active else start
+        start_guard = StartGuard(state, fresh=payload is None,  # without a val_loader
+                                 carried=ckpt.carried(payload, "start_guard"))
+        state.carried = {"best": best, "start_guard": start_guard}
         validate = functools.partial(evaluation.evaluate_sharded, bnn, val_loader, ctx,
                                      samples_per_component=val_samples_per_component,
                                      amp=state.amp, channels_last=channels_last,
@@ -304,6 +309,7 @@ def fit(
         log = HistoryLog(log_dir, ctx)
         hooks = [as_callback(c) for c in callbacks] + ([as_callback(clock)] if step.optimizes
                                                         else [])
+        ended = False  # whether this call ran the last epoch (a finished run resumed: no)
         while state.epoch < state.epochs:
             # a statistics pass (no optimiser) that fails half-way leaves no half-accumulated
             # state behind: its buffers are put back (gradient steps have the step guard)
@@ -311,6 +317,7 @@ def fit(
                 record = _run_epoch(state, progress=progress and ctx.is_main, run=run, hooks=hooks,
                                     watch=watch)
                 is_last = state.epoch + 1 == state.epochs
+                ended |= is_last
                 if is_last:
                     record.update(step.end(state))
                     if val_loader is not None:
@@ -344,7 +351,7 @@ def fit(
                 hook.on_epoch_end(state, record)
         bnn.eval()
         watch.finish(state, method.name)  # about the trajectory, before a state is restored
-        if start is not None and state.history:
+        if start is not None and state.history and ended:
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
             # never worse than the start
             best.finish(state.history[-1], method.name, refused=tuple(step.refused))

@@ -2,8 +2,11 @@
 
 What is saved: posterior tensors, trainable base tensors, the model's buffers,
 the optimiser (momentum etc.), epoch / batch-in-epoch / optimiser step, the
-running sums of a partial epoch, the history, and the RNG streams of *every*
-rank (gathered to rank 0: global CPU, global CUDA, this rank's noise stream).
+running sums of a partial epoch, the history, the RNG streams of *every*
+rank (gathered to rank 0: global CPU, global CUDA, this rank's noise stream), and what
+the never-worse rules hold of the fit's start (``carried``: the start's validation
+metrics, the starting and best states; :mod:`bayesify.train.best`,
+:mod:`bayesify.train.start_guard`).
 LR and β schedules are pure functions of progress *and the run's length*, so the
 epoch and step are their whole state only for the same length: a checkpoint
 records ``epochs`` and ``steps_per_epoch`` (what cosine / cyclic schedules, snapshot
@@ -51,7 +54,7 @@ from bayesify.train.distributed import DistContext, broadcast_object, gather_obj
 if TYPE_CHECKING:
     from bayesify.train.context import TrainState
 
-__all__ = ["Run", "check_schedule", "identity", "probe_directory", "probe_outputs",
+__all__ = ["Run", "carried", "check_schedule", "identity", "probe_directory", "probe_outputs",
            "read_for_resume", "restore", "result_options", "save"]
 
 logger = logging.getLogger(__name__)
@@ -179,14 +182,17 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
 
 def _payload(state: TrainState, run: Run, run_id: str, rng: list[Any]) -> dict[str, Any]:
     bnn, ctx = state.bnn, state.ctx
+    held = {name: keeper.carry() for name, keeper in state.carried.items()}
     meta = {
         "identity": run.identity, "options": run.options, "epoch": state.epoch,
         "step": state.step, "global_step": state.global_step,
         "world_size": ctx.world_size, "epochs": state.epochs,
         "steps_per_epoch": state.steps_per_epoch, "run_id": run_id,
         "history": state.history, "totals": state.totals,
+        "carried": {name: numbers for name, (numbers, _) in held.items()},
     }
     return {
+        "carried": {name: tensors for name, (_, tensors) in held.items()},
         "format": FORMAT, "version": VERSION,
         "meta": json.dumps(meta, default=float),
         "posterior": {n: _cpu(p) for n, p in bnn.named_posterior_parameters()},
@@ -283,6 +289,20 @@ def _load_named(target: dict[str, torch.Tensor], saved: dict[str, torch.Tensor],
                     f"{tuple(value.shape)}, the model has {tuple(tensor.shape)}"
                 )
             tensor.copy_(value.to(tensor.device, tensor.dtype))
+
+
+def carried(payload: dict[str, Any] | None,
+            name: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """What the never-worse rule ``name`` (``"best"``, ``"start_guard"``) wrote into the
+    checkpoint ``payload`` (:meth:`~bayesify.train.best.BestState.carry`), or ``None``: no
+    checkpoint, or one written by an older bayesify (the resumed fit then has no rule)."""
+    if payload is None:
+        return None
+    numbers = (payload["meta"].get("carried") or {}).get(name)
+    tensors = (payload.get("carried") or {}).get(name)
+    if not isinstance(numbers, dict) or not isinstance(tensors, dict):
+        return None
+    return numbers, tensors
 
 
 def restore(state: TrainState, payload: dict[str, Any], run: Run, *, path: str) -> None:

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 #: training examples (over the processes) the start and the end are compared on
 ROWS = 512
+#: the seed of the global generator while those rows are drawn (a shuffling loader)
+ROWS_SEED = 0
 
 
 def dropped(start: float, end: float, n: int) -> bool:
@@ -55,28 +57,45 @@ class StartGuard:
     """The start's training accuracy before a fresh fit without validation, compared with
     the end's after it (see the module docstring)."""
 
-    def __init__(self, state: TrainContext, *, fresh: bool) -> None:
+    def __init__(self, state: TrainContext, *, fresh: bool,
+                 carried: tuple[dict[str, Any], dict[str, Any]] | None = None) -> None:
+        """``carried``: what :meth:`carry` wrote into the checkpoint a fit resumes from (the
+        starting state of a family that trains its posterior); the start's count is then
+        taken again, on the same rows, from that state."""
         step, bnn = state.family, state.bnn
         trains = getattr(step, "trains_posterior", False)
         start_state = getattr(step, "start_state", None)
         self.state = state
-        self.active = (fresh and state.val_loader is None and step.optimizes
-                       and (trains or start_state is not None))
+        self.active = ((fresh or carried is not None) and state.val_loader is None
+                       and step.optimizes and (trains or start_state is not None))
         self.initial: dict[str, torch.Tensor] | None = None
         self.start_state: Callable[[Any], dict[str, torch.Tensor]] | None = None
         if not self.active:
             return
-        self.rows = state.labelled_rows(ROWS)
+        if carried is not None and (not carried[0].get("active")
+                                    or (trains and "initial" not in carried[1])):
+            self.active = False  # a checkpoint of a run that had no start to compare with
+            return
+        # the same rows in a fresh fit and a resumed one, whatever the RNG stream holds: a
+        # shuffling loader draws its order from the global generator, forked and seeded here
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(ROWS_SEED)
+            self.rows = state.labelled_rows(ROWS)
         network = getattr(step, "network_state", None)  # the start as the network itself
-        if trains:  # held on the CPU for the whole fit (an ensemble's copies are its size)
+        if trains and carried is not None:
+            self.initial = carried[1]["initial"]
+        elif trains:  # held on the CPU for the whole fit (an ensemble's copies are its size)
             self.initial = _snapshot(bnn, device="cpu")
             if network is not None:
                 self.initial.update({k: v.to("cpu") for k, v in network(bnn).items()})
         else:
             self.start_state = start_state
-        current = _snapshot(bnn) if network is not None else None
-        if network is not None:
-            bnn.load_state_dict(self.initial or network(bnn), strict=False)
+        # resumed: the model holds a trained state; the start is loaded to be counted
+        starting = (self.initial if trains else start_state(bnn)) if carried is not None \
+            else (self.initial or network(bnn)) if network is not None else None
+        current = _snapshot(bnn) if starting is not None else None
+        if starting is not None:
+            bnn.load_state_dict(starting, strict=False)
         try:
             self.start_correct = self._correct(deterministic=True)
         finally:
@@ -84,6 +103,14 @@ class StartGuard:
                 bnn.load_state_dict(current, strict=False)
         # held on the CPU while the fit runs (512 ImageNet crops are 0.3 GB)
         self.rows = [(x.to("cpu"), y.to("cpu")) for x, y in self.rows]
+
+    def carry(self) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+        """What a checkpoint holds of this guard, ``(numbers, tensors)``: the starting state
+        of a family that trains its posterior (a trajectory family's start is rebuilt by
+        its step). Nothing for an inactive guard."""
+        if not self.active:
+            return {}, {}
+        return {"active": True}, ({"initial": self.initial} if self.initial is not None else {})
 
     @torch.no_grad()
     def _correct(self, *, deterministic: bool) -> float:
