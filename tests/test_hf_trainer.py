@@ -95,6 +95,9 @@ def test_readme_trainer_recipe_runs_end_to_end(tmp_path, monkeypatch):
     # and the member-wise Laplace heads (iBNN's default) were fitted on the training set
     assert trainer.tune_record["heads_n_data"] == len(train_set)
     assert "heads_prior_precision" in trainer.tune_record
+    # and the trained state was weighed against the start train() began from, with heads
+    assert trainer.start_state is not None and "start_heads_shift_z" in trainer.tune_record
+    assert trainer.tune_record["kept"] in ("last", "start")
     probs = scope["probs"]
     assert probs.shape == (1, 4) and torch.allclose(probs.sum(-1), torch.ones(1), atol=1e-5)
 

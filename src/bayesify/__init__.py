@@ -28,6 +28,7 @@ from bayesify.predict import (
     Prediction,
 )
 from bayesify.train import fit
+from bayesify.train.best import starting_state
 from bayesify.train.custom_loop import (
     GuardedStep,
     param_groups,
@@ -81,6 +82,7 @@ __all__ = [
     "posterior_lr",
     "posterior_optimizer",
     "register_method",
+    "starting_state",
     "tune",
 ]
 

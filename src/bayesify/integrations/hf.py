@@ -28,7 +28,13 @@ on a :class:`~bayesify.core.model.BayesianModel`):
   ``compute_metrics`` are its log-probabilities ``[N, C]``;
 - **validation search**: after ``train()`` the family's predictive-scale knob is
   chosen on ``eval_dataset`` (:func:`bayesify.tune`, as ``fit(..., val_loader=...)``
-  does) unless ``tune_after_train=False``; the record is ``trainer.tune_record``;
+  does) unless ``tune_after_train=False``; the record is ``trainer.tune_record``. The
+  state training began from is taken before the first step
+  (:func:`bayesify.train.best.starting_state`), and a family with member-wise Laplace
+  heads hands that start back with its heads where the trained state does worse under the
+  validation shift or is not feasible (``tune_record["kept"]``), as ``fit`` does — not
+  when training resumes from a checkpoint (``resume_from_checkpoint``: the start is not
+  the network's);
 - **inputs**: columns are kept or dropped by the *wrapped* model's ``forward``
   signature and labels are read from ``labels`` (``BayesianModel.forward`` takes
   ``*args, **kwargs``, which would otherwise drop every column and find no labels);
@@ -54,6 +60,8 @@ import transformers
 
 from bayesify.core.model import BayesianModel
 from bayesify.errors import BayesifyError
+from bayesify.kit import laplace_heads
+from bayesify.train.best import starting_state
 from bayesify.train.custom_loop import posterior_optimizer
 from bayesify.train.loss import elbo_loss
 from bayesify.train.tuning import tune
@@ -75,6 +83,8 @@ class BayesTrainer(transformers.Trainer):
         self.samples_per_component = samples_per_component
         self.tune_after_train = tune_after_train
         self.tune_record: dict[str, Any] = {}
+        #: the state ``train()`` began from (weighed with its heads by ``tune``)
+        self.start_state: dict[str, torch.Tensor] | None = None
         if self.args.label_names is None:
             self.label_names = ["labels"]
         self.model_accepts_loss_kwargs = False  # the loss is elbo_loss, not the model's
@@ -126,17 +136,23 @@ class BayesTrainer(transformers.Trainer):
 
     # -- after training: the family's validation search ---------------------------------------
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        tuning = self.tune_after_train and self.eval_dataset is not None
+        resumed = bool(kwargs.get("resume_from_checkpoint") or (args and args[0]))
+        self.start_state = (starting_state(self._bnn)
+                            if tuning and not resumed and laplace_heads.enabled(self._bnn)
+                            else None)
         output = super().train(*args, **kwargs)
-        if self.tune_after_train and self.eval_dataset is not None:
+        if tuning:
             self.tune_record = self.tune()
         return output
 
     def tune(self, eval_dataset: Any = None) -> dict[str, Any]:
         """:func:`bayesify.tune` on ``eval_dataset`` (default: the trainer's), with the
-        training set for the family's member-wise Laplace heads (``laplace_heads``); logs the
-        choice."""
+        training set for the family's member-wise Laplace heads (``laplace_heads``) and the
+        state ``train()`` began from (``start_state``); logs the choice."""
         train = self.get_train_dataloader() if self.train_dataset is not None else None
-        record = tune(self._bnn, self.get_eval_dataloader(eval_dataset), train_loader=train)
+        record = tune(self._bnn, self.get_eval_dataloader(eval_dataset), train_loader=train,
+                      start=self.start_state)
         self.log({k: v for k, v in record.items() if isinstance(v, (int, float))})
         return record
 

@@ -351,51 +351,20 @@ class BestState:
 
     def _start_with_heads(self, record: dict[str, Any], neutral: Any, measure: Any,
                           family_shift: torch.Tensor, scores: dict[str, torch.Tensor]) -> None:
-        """The feasible trained state, searched with its member-wise Laplace heads, against
-        the starting state with its knobs neutral — every member the network itself, with
-        the heads: the ``laplace`` family's posterior in this family's form — searched the
-        same way (``neutral()``, returning its record; ``scores["shift"]`` then holds its
-        per-example shifted validation NLL, ``family_shift`` the trained state's). The start
-        is kept when it is feasible (its searched clean validation NLL) and its shifted
-        validation NLL is lower by more than :data:`START_SHIFT_SE` paired standard errors —
-        then validated (``measure()``) for the record: a family whose training did not
-        give it a spread at least as good under shift as the network's own Laplace heads
-        hands back the network with them. (On the ViT protocol's seed 2 the trained states
-        of batchensemble, meanfield and MNF ended at 0.70-0.72x the start's test NLL under
-        shift, the first two 0.008-0.011 nats over MAP + temperature on clean test data; the
-        start with heads at 0.56x and -0.015.) The record keeps what was compared:
-        ``start_heads_val_nll``, ``start_heads_val_shift_nll``, ``start_heads_shift_z``."""
+        """The feasible trained state kept at the end against the starting state with its
+        heads (:func:`start_with_heads`); when that is kept, validated (``measure()``) for
+        the record. (On the ViT protocol's seed 2 the trained states of batchensemble,
+        meanfield and MNF ended at 0.70-0.72x the start's test NLL under shift, the first
+        two 0.008-0.011 nats over MAP + temperature on clean test data; the start with heads
+        at 0.56x and -0.015.)"""
         tensors = self.start_tensors()
         if tensors is None or "val_shift_nll" not in record:
             return
-        family_shift = family_shift.clone()
-        bnn = self.state.bnn
-        current = _snapshot(bnn)
-        bnn.load_state_dict(tensors, strict=False)
-        search = neutral()
-        start_shift = scores.get("shift")
-        adopt = False
-        if start_shift is not None and start_shift.shape == family_shift.shape:
-            d = (start_shift - family_shift).double()
-            z = float(d.mean() / (d.std() / len(d) ** 0.5).clamp_min(1e-12))
-            record.update({"start_heads_val_nll": search.get("val_nll"),
-                           "start_heads_val_shift_nll": float(start_shift.mean()),
-                           "start_heads_shift_z": z})
-            adopt = not _above_start(search.get("val_nll"), record) and z < -START_SHIFT_SE
-        if adopt:
-            shifted = record["val_shift_nll"]
+        search = start_with_heads(self.state.bnn, record, tensors, neutral, family_shift,
+                                  scores, is_main=self.state.ctx.is_main)
+        if search is not None:
             adopt_search(record, search, measure())
             record["kept"] = "start"
-            if self.state.ctx.is_main:
-                logger.warning(
-                    "fit: the trained state, searched with its Laplace heads, was worse under "
-                    "the validation shift (NLL %.4f) than the starting network with the heads "
-                    "(%.4f, %.1f paired standard errors lower): the fit hands back the start "
-                    "with its heads (the `laplace` family's posterior, in this family's form)",
-                    shifted, float(start_shift.mean()), -record["start_heads_shift_z"])
-        else:
-            bnn.load_state_dict(current, strict=False)
-        bnn.eval()
 
     def _validate(self, tensors: dict[str, torch.Tensor]) -> dict[str, float]:
         """Validation metrics of ``tensors`` loaded into the model (the current state is
@@ -411,3 +380,74 @@ class BestState:
         finally:
             bnn.load_state_dict(current, strict=False)
         return {"val_nll": float(metrics["nll"]), "val_accuracy": float(metrics["accuracy"])}
+
+
+def starting_state(bnn: BayesianModel) -> dict[str, torch.Tensor]:
+    """The state a posterior begins training from, on the CPU, as the never-worse rules see
+    it: every tensor a fit can change, with the entries that make the family's members the
+    network itself (``step.network_state``: iBNN's means, rank1's and BatchEnsemble's fast
+    weights at 1). Take it before a custom loop trains (``elbo_loss``, the Hugging Face
+    ``Trainer``) and give it to :func:`bayesify.tune` (``start=``): the trained state is then
+    weighed against this start with its Laplace heads, as ``fit`` does."""
+    tensors = _snapshot(bnn, device="cpu")
+    network = getattr(bnn.method.step(), "network_state", None)
+    if network is not None:
+        tensors.update({k: v.detach().to("cpu", copy=True) for k, v in network(bnn).items()})
+    return tensors
+
+
+def start_with_heads(bnn: BayesianModel, record: dict[str, Any],
+                     tensors: dict[str, torch.Tensor], neutral: Any,
+                     family_shift: torch.Tensor | None, scores: dict[str, torch.Tensor], *,
+                     is_main: bool = True, if_infeasible: bool = False) -> dict[str, Any] | None:
+    """The trained state in ``bnn``, searched with its member-wise Laplace heads (``record``,
+    its per-example shifted validation NLL ``family_shift``), against the starting state
+    ``tensors`` with its knobs neutral — every member the network itself, with the heads:
+    the ``laplace`` family's posterior in this family's form — searched the same way
+    (``neutral()``, returning its record; ``scores["shift"]`` then holds its per-example
+    shifted validation NLL). The start is kept when it is feasible (its searched clean
+    validation NLL) and its shifted validation NLL is lower by more than
+    :data:`START_SHIFT_SE` paired standard errors (``if_infeasible``: or when the trained
+    state is not feasible itself). Then the model holds the start with its search's choice
+    and its search record is returned; else the trained state is put back and ``None``
+    returned. ``record`` gets what was compared either way: ``start_heads_val_nll``,
+    ``start_heads_val_shift_nll``, ``start_heads_shift_z``."""
+    if family_shift is None:
+        return None
+    family_shift = family_shift.clone()
+    current = _snapshot(bnn)
+    bnn.load_state_dict(tensors, strict=False)
+    search = neutral()
+    start_shift = scores.get("shift")
+    adopt = False
+    if start_shift is not None and start_shift.shape == family_shift.shape:
+        d = (start_shift - family_shift).double()
+        z = float(d.mean() / (d.std() / len(d) ** 0.5).clamp_min(1e-12))
+        record.update({"start_heads_val_nll": search.get("val_nll"),
+                       "start_heads_val_shift_nll": float(start_shift.mean()),
+                       "start_heads_shift_z": z})
+        trained_infeasible = if_infeasible and _above_start(record.get("val_nll"), record)
+        adopt = (not _above_start(search.get("val_nll"), record)
+                 and (z < -START_SHIFT_SE or trained_infeasible))
+    if adopt:
+        if is_main and record["start_heads_shift_z"] < -START_SHIFT_SE:
+            logger.warning(
+                "fit: the trained state, searched with its Laplace heads, was worse under "
+                "the validation shift (NLL %.4f) than the starting network with the heads "
+                "(%.4f, %.1f paired standard errors lower): the fit hands back the start "
+                "with its heads (the `laplace` family's posterior, in this family's form)",
+                float(family_shift.mean()), float(start_shift.mean()),
+                -record["start_heads_shift_z"])
+        elif is_main:
+            logger.warning(
+                "tune: the trained state, searched with its Laplace heads, stayed above the "
+                "calibrated start on clean validation data (NLL %.4f against %.4f); the "
+                "starting network with the heads is feasible (%.4f) and is handed back (the "
+                "`laplace` family's posterior, in this family's form)",
+                record.get("val_nll"), record.get("start_tempered_val_nll"),
+                search.get("val_nll"))
+        bnn.eval()
+        return search
+    bnn.load_state_dict(current, strict=False)
+    bnn.eval()
+    return None

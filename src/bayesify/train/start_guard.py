@@ -8,14 +8,17 @@ and MNF at 0.72 against the network's 0.83, their mean networks at 0.44 training
 after ten steps (the spread guard, :mod:`bayesify.train.spread_guard`, compares a spread with
 the mean network, which had already moved). So a fresh gradient fit without validation
 data predicts up to :data:`ROWS` training examples (over the processes, the first of each
-process's contiguous shard) with the network it starts from (the posterior mean at the
+process's contiguous shard; a shuffling loader's order drawn under :data:`ROWS_SEED`, so a
+resumed fit compares the same rows) with the network it starts from (the posterior mean at the
 start: the pretrained weights), before the first step, and with the posterior it ends with,
 after the spread guard. Where the posterior's accuracy there is *clearly* lower —
 by more than a point and by more than a few examples (:func:`dropped`, the rule of
 :func:`bayesify.train.best.clearly_worse`) — the fit hands back the state it began with (the
 network as a posterior; its spread guarded again) and warns. Counts are summed over the
-ranks, so every rank decides alike. Training accuracy cannot see every loss (a network that
-fits its training set shows none); validation data remains the way to judge a posterior.
+ranks, so every rank decides alike; a checkpoint carries the starting state
+(:meth:`StartGuard.carry`), so a resumed fit decides as the uninterrupted one. Training
+accuracy cannot see every loss (a network that fits its training set shows none);
+validation data remains the way to judge a posterior.
 """
 
 from __future__ import annotations

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import warnings
@@ -95,6 +96,7 @@ from bayesify.errors import BayesifyError
 from bayesify.kit import laplace_heads
 from bayesify.metrics import per_example_nll
 from bayesify.progress import progress_bar
+from bayesify.train.best import start_with_heads
 from bayesify.train.data import shard_batches, whole_batches
 from bayesify.train.distributed import (
     DistContext,
@@ -888,7 +890,8 @@ def one_sample_per_component(bnn: BayesianModel, knobs: list[Knob]) -> Iterator[
 
 def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | None = None,
          batch_fn: BatchFn | None = None, shift_loader: Iterable | None = None,
-         temperature: bool = True, progress: bool = True) -> dict[str, Any]:
+         temperature: bool = True, progress: bool = True,
+         start: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Choose the family's declared knobs (``bnn.method.knobs(bnn)``) and the temperature on
     ``val_loader`` (see the module docstring).
 
@@ -901,6 +904,15 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | N
     perturbations as the robustness signal); ``temperature=False`` keeps the temperature at
     1. Under ``torchrun`` (a process group already initialised) every rank streams its shard
     and all ranks choose the same values. Returns the record.
+
+    ``start``: the state training began from (:func:`bayesify.train.best.starting_state`,
+    taken before the custom loop's first step; ``BayesTrainer`` takes it). With heads and a
+    ``train_loader``, the trained state is then weighed against that start with its knobs
+    neutral and its own heads, as ``fit`` does
+    (:func:`~bayesify.train.best.start_with_heads`): the start is handed back when it is
+    feasible and lower under the validation shift by more than one paired standard error,
+    or when the trained state is not feasible (the record then says ``kept: "start"``;
+    ``start_heads_*`` keep what was compared either way).
     """
     if val_loader is None:
         raise BayesifyError("tune needs a validation loader (batches with labels)")
@@ -929,11 +941,40 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | N
     heads = laplace_heads.enabled(bnn)
     with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):  # only rank 0 warns
         if heads and train_loader is not None:  # as fit's search does
-            return search_with_heads(bnn, search, lambda: installed_scores(bnn, batches, ctx),
-                                     _HeadsPass(bnn, train_loader, ctx, batch_fn))
+            scores: dict[str, torch.Tensor] = {}
+            heads_pass = _HeadsPass(bnn, train_loader, ctx, batch_fn)
+
+            def searched(knobs: list[Knob] | None = None) -> dict[str, Any]:
+                return search_with_heads(bnn, functools.partial(search, scores=scores),
+                                         lambda: installed_scores(bnn, batches, ctx),
+                                         heads_pass, knobs=knobs)
+
+            record = searched()
+            if start is None:
+                return record
+            return _weigh_start(bnn, record, start, searched, scores, ctx)
         if heads and not laplace_heads.fitted(bnn):
             logger.info("%s: laplace_heads are not fitted: tune(bnn, val_loader, "
                         "train_loader=...) fits them (a pass over up to 10,000 training "
                         "examples after the family's search); without it the family's own "
                         "knobs are searched", bnn.method_name)
         return search(bnn.method.knobs(bnn) + laplace_heads.heads_knob(bnn))
+
+
+def _weigh_start(bnn: BayesianModel, record: dict[str, Any], start: dict[str, torch.Tensor],
+                 searched: Callable[..., dict[str, Any]], scores: dict[str, torch.Tensor],
+                 ctx: DistContext) -> dict[str, Any]:
+    """:func:`tune`'s weighing of the trained state (``record``) against ``start`` with its
+    heads (:func:`~bayesify.train.best.start_with_heads`): the record ``tune`` returns."""
+    def neutral() -> dict[str, Any]:
+        knobs = neutral_knobs(bnn.method.knobs(bnn))
+        with one_sample_per_component(bnn, knobs):
+            return searched(knobs)
+
+    chosen = start_with_heads(bnn, record, start, neutral, scores.get("shift"), scores,
+                              is_main=ctx.is_main, if_infeasible=True)
+    if chosen is None:
+        return {**record, "kept": "last"}
+    compared = {k: v for k, v in record.items() if k.startswith("start_heads_")}
+    return {**chosen, **compared, "kept": "start", "trained_val_nll": record.get("val_nll"),
+            "trained_val_shift_nll": record.get("val_shift_nll")}
