@@ -325,9 +325,10 @@ def one_thread():
 def test_without_validation_the_evidence_tau_is_raised_until_the_argmax_holds(one_thread):
     """A 1000-way head fitted on 10 classes (an ImageNet head on a few classes): the 990
     classes the data never shows keep the prior's spread, and at the evidence's τ the
-    probit flips 7 of 300 validation examples to a seen competitor (0.850 vs the start's
-    0.873). ``keep_accuracy`` raises τ until the training accuracy holds; None keeps the
-    evidence's τ."""
+    probit flips training examples to a seen competitor (torch 2.14.1: 7 of 500, 0.890 vs
+    the start's 0.904; its validation NLL 1.82 against the guarded τ's 0.67; an earlier
+    torch's network also lost 7 of 300 validation examples). ``keep_accuracy`` raises τ
+    until the training accuracy holds; None keeps the evidence's τ."""
     from stress_nets import bn_cnn
     from test_defaults import base_metrics, bnn_metrics
 
@@ -343,8 +344,12 @@ def test_without_validation_the_evidence_tau_is_raised_until_the_argmax_holds(on
     assert record["marglik_prior_precision"] == pytest.approx(tau_plain, rel=1e-6)
     assert tau > 3 * tau_plain
     assert record["guard_train_accuracy"] >= record["guard_train_accuracy_map"]
-    assert bnn_metrics(plain, val)[0] < acc0 - 0.015  # the flips the guard prevents
-    assert bnn_metrics(guarded, val)[0] >= acc0 - 0.01
+    train_acc0 = base_metrics(model, train)[0]
+    assert bnn_metrics(plain, train)[0] < train_acc0 - 0.005  # the flips the guard prevents
+    assert bnn_metrics(guarded, train)[0] >= train_acc0 - 0.002
+    guarded_val = bnn_metrics(guarded, val)
+    assert guarded_val[0] >= acc0 - 0.01
+    assert guarded_val[1] < 0.5 * bnn_metrics(plain, val)[1]
 
 
 def test_the_broad_end_is_not_warned_about_where_it_is_the_posteriors_limit(problem):
