@@ -399,7 +399,8 @@ def starting_state(bnn: BayesianModel) -> dict[str, torch.Tensor]:
 def start_with_heads(bnn: BayesianModel, record: dict[str, Any],
                      tensors: dict[str, torch.Tensor], neutral: Any,
                      family_shift: torch.Tensor | None, scores: dict[str, torch.Tensor], *,
-                     is_main: bool = True, if_infeasible: bool = False) -> dict[str, Any] | None:
+                     is_main: bool = True, if_infeasible: bool = False,
+                     caller: str = "fit") -> dict[str, Any] | None:
     """The trained state in ``bnn``, searched with its member-wise Laplace heads (``record``,
     its per-example shifted validation NLL ``family_shift``), against the starting state
     ``tensors`` with its knobs neutral — every member the network itself, with the heads:
@@ -411,7 +412,8 @@ def start_with_heads(bnn: BayesianModel, record: dict[str, Any],
     state is not feasible itself). Then the model holds the start with its search's choice
     and its search record is returned; else the trained state is put back and ``None``
     returned. ``record`` gets what was compared either way: ``start_heads_val_nll``,
-    ``start_heads_val_shift_nll``, ``start_heads_shift_z``."""
+    ``start_heads_val_shift_nll``, ``start_heads_shift_z``. ``caller`` names the function
+    in the logged warning (``"fit"``, ``"tune"``)."""
     if family_shift is None:
         return None
     family_shift = family_shift.clone()
@@ -432,19 +434,19 @@ def start_with_heads(bnn: BayesianModel, record: dict[str, Any],
     if adopt:
         if is_main and record["start_heads_shift_z"] < -START_SHIFT_SE:
             logger.warning(
-                "fit: the trained state, searched with its Laplace heads, was worse under "
+                "%s: the trained state, searched with its Laplace heads, was worse under "
                 "the validation shift (NLL %.4f) than the starting network with the heads "
-                "(%.4f, %.1f paired standard errors lower): the fit hands back the start "
+                "(%.4f, %.1f paired standard errors lower): %s hands back the start "
                 "with its heads (the `laplace` family's posterior, in this family's form)",
-                float(family_shift.mean()), float(start_shift.mean()),
-                -record["start_heads_shift_z"])
+                caller, float(family_shift.mean()), float(start_shift.mean()),
+                -record["start_heads_shift_z"], caller)
         elif is_main:
             logger.warning(
-                "tune: the trained state, searched with its Laplace heads, stayed above the "
+                "%s: the trained state, searched with its Laplace heads, stayed above the "
                 "calibrated start on clean validation data (NLL %.4f against %.4f); the "
                 "starting network with the heads is feasible (%.4f) and is handed back (the "
                 "`laplace` family's posterior, in this family's form)",
-                record.get("val_nll"), record.get("start_tempered_val_nll"),
+                caller, record.get("val_nll"), record.get("start_tempered_val_nll"),
                 search.get("val_nll"))
         bnn.eval()
         return search

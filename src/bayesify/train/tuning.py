@@ -972,7 +972,7 @@ def _weigh_start(bnn: BayesianModel, record: dict[str, Any], start: dict[str, to
             return searched(knobs)
 
     chosen = start_with_heads(bnn, record, start, neutral, scores.get("shift"), scores,
-                              is_main=ctx.is_main, if_infeasible=True)
+                              is_main=ctx.is_main, if_infeasible=True, caller="tune")
     if chosen is None:
         return {**record, "kept": "last"}
     compared = {k: v for k, v in record.items() if k.startswith("start_heads_")}
