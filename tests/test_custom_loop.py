@@ -10,6 +10,21 @@ from bayesify import BayesifyError, bayesify, elbo_loss, fit
 from tests.test_registry_state import loader, model
 
 
+def hand_written_loop(bnn, data, *, epochs: int = 2, n_train: int = 40):
+    """``epochs`` of ``elbo_loss`` steps as ``fit(lr=0.05, lr_schedule="constant")`` takes
+    them for the ensemble (SGD Nesterov, the gradient norm clipped at 1)."""
+    opt = torch.optim.SGD(bnn.posterior_parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    bnn.train()
+    for _ in range(epochs):
+        for x, y in data:
+            terms = elbo_loss(bnn, (x, y), n_train=n_train)
+            opt.zero_grad()
+            terms.loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(bnn.posterior_parameters()), 1.0)
+            opt.step()
+    return bnn
+
+
 def test_hand_written_loop_matches_fit():
     data = loader(n=40, batch=8)  # sequential order: fit's seeded order is the same
     by_fit = bayesify(model(), "ensemble")
@@ -17,16 +32,7 @@ def test_hand_written_loop_matches_fit():
     # gradient norm clipped at 1 (below)
     fit(by_fit, data, epochs=2, lr=0.05, lr_schedule="constant", seed=0, progress=False)
 
-    mine = bayesify(model(), "ensemble")
-    opt = torch.optim.SGD(mine.posterior_parameters(), lr=0.05, momentum=0.9, nesterov=True)
-    mine.train()
-    for _ in range(2):
-        for x, y in data:
-            terms = elbo_loss(mine, (x, y), n_train=40)
-            opt.zero_grad()
-            terms.loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(mine.posterior_parameters()), 1.0)
-            opt.step()
+    mine = hand_written_loop(bayesify(model(), "ensemble"), data)
     for (name, a), (_, b) in zip(by_fit.named_posterior_parameters(),
                                  mine.named_posterior_parameters()):
         assert torch.allclose(a, b, atol=1e-6), name

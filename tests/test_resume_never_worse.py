@@ -25,6 +25,7 @@ from bayesify.train.checkpoint import (
     list_checkpoints,
     load_checkpoint,
 )
+from tests.pretrained_nets import fit_full_batch
 from tests.test_resume import Kill, KillAt
 
 
@@ -34,13 +35,7 @@ def task():
     x = torch.randn(200, 4)
     y = (x[:, 0] + 0.5 * torch.randn(200) > 0).long()  # noisy labels: start NLL ≈ 0.26
     net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
-    opt = torch.optim.Adam(net.parameters(), lr=0.05)
-    for _ in range(60):
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-    data = TensorDataset(x, y)
-    return net.eval(), data
+    return fit_full_batch(net, net.parameters(), x, y, lr=0.05, steps=60), TensorDataset(x, y)
 
 
 def _loaders(data):

@@ -10,8 +10,9 @@ import warnings
 import pytest
 import torch
 
-from bayesify import bayesify, elbo_loss, fit, starting_state, tune
+from bayesify import bayesify, fit, starting_state, tune
 from bayesify.train import best as best_module
+from tests.test_custom_loop import hand_written_loop
 from tests.test_registry_state import loader, model
 
 
@@ -24,16 +25,7 @@ def _by_hand(method: str = "ensemble"):
     data = loader(n=40, batch=8)
     bnn = bayesify(model(), method)
     start = starting_state(bnn)
-    opt = torch.optim.SGD(bnn.posterior_parameters(), lr=0.05, momentum=0.9, nesterov=True)
-    bnn.train()
-    for _ in range(2):
-        for x, y in data:
-            terms = elbo_loss(bnn, (x, y), n_train=40)
-            opt.zero_grad()
-            terms.loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(bnn.posterior_parameters()), 1.0)
-            opt.step()
-    bnn.eval()
+    hand_written_loop(bnn, data).eval()
     return bnn, start, data
 
 
