@@ -84,7 +84,7 @@ def _tensors(out: Path, name: str, rank: int) -> dict:
     return torch.load(out / f"{name}_rank{rank}.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("scenario", ["noisy", "det", "full", "resumed"])
+@pytest.mark.parametrize("scenario", ["noisy", "det", "full", "resumed", "vfull", "vresumed"])
 def test_every_rank_ends_with_identical_tensors(ddp_run, scenario):
     a, b = _tensors(ddp_run, scenario, 0), _tensors(ddp_run, scenario, 1)
     assert _max_diff(a, b) == 0.0
@@ -136,6 +136,17 @@ def test_ddp_resume_equals_uninterrupted(ddp_run):
     assert info["resumed_epochs"] == [1, 2, 3]
     for rank in (0, 1):
         assert _max_diff(_tensors(ddp_run, "full", rank), _tensors(ddp_run, "resumed", rank)) <= 1e-6
+
+
+def test_ddp_resume_with_validation_keeps_what_the_uninterrupted_fit_keeps(ddp_run):
+    """The never-worse rule across a resume under torchrun: the checkpoint's carried start
+    (rank 0 writes it, every rank reads it) gives every rank the uninterrupted decision."""
+    info = json.loads((ddp_run / "info_rank0.json").read_text())
+    # the rule ran after the resume (a resumed fit used to have none: no "kept" at all)
+    assert info["vfull_kept"] is not None and info["vresumed_kept"] == info["vfull_kept"]
+    for rank in (0, 1):
+        assert _max_diff(_tensors(ddp_run, "vfull", rank),
+                         _tensors(ddp_run, "vresumed", rank)) <= 1e-6
 
 
 def test_sharded_validation_equals_single_process_evaluate(ddp_run):

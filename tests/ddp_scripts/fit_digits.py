@@ -8,7 +8,8 @@ to OUT/<scenario>_rank<r>.pt; rank 0 also writes OUT/info.json.
 - ``det``: posterior means (``bnn.deterministic()``), to be compared with a
   one-process run at the same global batch.
 - ``full`` / ``resumed``: 3 epochs uninterrupted vs. killed after epoch 1 and
-  resumed from the checkpoint directory.
+  resumed from the checkpoint directory; ``vfull`` / ``vresumed`` the same with a
+  ``val_loader`` (the never-worse rule decides at the end of both).
 - last, ranks that disagree (tests/ddp_scripts/mismatched_ranks.py): OUT/mismatch_rank<r>.json.
 """
 
@@ -134,6 +135,24 @@ def main(out: Path) -> None:
     resumed = fit(bnn, train, checkpoint_dir=out / "ck_kill", resume=out / "ck_kill", **opts)
     torch.save(tensors(bnn), out / f"resumed_rank{rank}.pt")
     info["resumed_epochs"] = [r["epoch"] for r in resumed.history]
+
+    # the same with validation: the never-worse rule decides after the resume from what the
+    # checkpoint carried (rank 0 wrote it), alike on every rank
+    vopts = {**opts, "val_loader": test, "val_every": 1}
+    bnn = make_bnn(base)
+    info["vfull_kept"] = fit(bnn, train, **vopts).last.get("kept")
+    torch.save(tensors(bnn), out / f"vfull_rank{rank}.pt")
+    bnn = make_bnn(base)
+    try:
+        fit(bnn, train, checkpoint_dir=out / "ck_vkill", callbacks=[KillAfterEpoch(1)], **vopts)
+        raise SystemExit("the kill callback did not fire")
+    except Kill:
+        pass
+    torch.manual_seed(54321 + rank)
+    bnn = make_bnn(base)
+    resumed = fit(bnn, train, checkpoint_dir=out / "ck_vkill", resume=out / "ck_vkill", **vopts)
+    info["vresumed_kept"] = resumed.last.get("kept")
+    torch.save(tensors(bnn), out / f"vresumed_rank{rank}.pt")
     (out / f"info_rank{rank}.json").write_text(json.dumps(info, default=float))
     import mismatched_ranks  # next to this script (sys.path[0] when run as one)
 
