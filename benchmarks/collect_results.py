@@ -60,6 +60,14 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session23.md", "The never-worse rules across a resume and after a custom loop; "
+             "SWAG's stress column and the real Lite0 at this code",
+             "python -m pytest tests/test_resume_never_worse.py tests/test_tune_start.py "
+             "tests/test_ddp.py; BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 "
+             "BAYESIFY_STRESS_TABLE=F pytest -m slow "
+             "tests/test_stress_pretrained.py::test_every_family_with_defaults_on_every_trap "
+             "-k 'swag and True'; python benchmarks/lite0_families.py --classes 10 --seed 0 "
+             "--families ... --out F; the text is written by hand"),
         Part("session22.md", "A trained family weighed against the network with its own "
              "Laplace heads",
              "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol P --seeds S "
