@@ -44,6 +44,21 @@ def make_bnn(base: torch.nn.Module, **options):
     return bayesify(base, "ibnn", components=2, samples=2, **options)
 
 
+def killed_and_resumed(base: torch.nn.Module, train: DataLoader, directory: Path, rank: int,
+                       **options):
+    """A fit killed after its first epoch, then resumed from ``directory`` as a fresh
+    process would (another RNG state, another posterior init): the model and its result."""
+    try:
+        fit(make_bnn(base), train, checkpoint_dir=directory, callbacks=[KillAfterEpoch(1)],
+            **options)
+        raise SystemExit("the kill callback did not fire")
+    except Kill:
+        pass
+    torch.manual_seed(12345 + rank)
+    bnn = bayesify(base, "ibnn", components=2, samples=2)
+    return bnn, fit(bnn, train, checkpoint_dir=directory, resume=directory, **options)
+
+
 def tensors(bnn) -> dict[str, torch.Tensor]:
     out = {f"posterior.{n}": p.detach().clone() for n, p in bnn.named_posterior_parameters()}
     out.update({f"base.{n}": p.detach().clone() for n, p in bnn.named_base_parameters()})
@@ -124,15 +139,7 @@ def main(out: Path) -> None:
     fit(bnn, train, checkpoint_dir=out / "ck_full", callbacks=[probe], **opts)
     torch.save(tensors(bnn), out / f"full_rank{rank}.pt")
     info.update(probe.data)
-    bnn = make_bnn(base)
-    try:
-        fit(bnn, train, checkpoint_dir=out / "ck_kill", callbacks=[KillAfterEpoch(1)], **opts)
-        raise SystemExit("the kill callback did not fire")
-    except Kill:
-        pass
-    torch.manual_seed(12345 + rank)  # as in a fresh process: other RNG state, other init
-    bnn = bayesify(base, "ibnn", components=2, samples=2)
-    resumed = fit(bnn, train, checkpoint_dir=out / "ck_kill", resume=out / "ck_kill", **opts)
+    bnn, resumed = killed_and_resumed(base, train, out / "ck_kill", rank, **opts)
     torch.save(tensors(bnn), out / f"resumed_rank{rank}.pt")
     info["resumed_epochs"] = [r["epoch"] for r in resumed.history]
 
@@ -142,15 +149,7 @@ def main(out: Path) -> None:
     bnn = make_bnn(base)
     info["vfull_kept"] = fit(bnn, train, **vopts).last.get("kept")
     torch.save(tensors(bnn), out / f"vfull_rank{rank}.pt")
-    bnn = make_bnn(base)
-    try:
-        fit(bnn, train, checkpoint_dir=out / "ck_vkill", callbacks=[KillAfterEpoch(1)], **vopts)
-        raise SystemExit("the kill callback did not fire")
-    except Kill:
-        pass
-    torch.manual_seed(54321 + rank)
-    bnn = make_bnn(base)
-    resumed = fit(bnn, train, checkpoint_dir=out / "ck_vkill", resume=out / "ck_vkill", **vopts)
+    bnn, resumed = killed_and_resumed(base, train, out / "ck_vkill", rank, **vopts)
     info["vresumed_kept"] = resumed.last.get("kept")
     torch.save(tensors(bnn), out / f"vresumed_rank{rank}.pt")
     (out / f"info_rank{rank}.json").write_text(json.dumps(info, default=float))
