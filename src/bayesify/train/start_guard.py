@@ -34,7 +34,7 @@ from bayesify.core.batch import call_model
 from bayesify.core.checks import explain_shapes
 from bayesify.core.outputs import logits_of
 from bayesify.kit.steps import count_correct
-from bayesify.train.best import ACCURACY_MARGIN, FLIPPED_EXAMPLES, _snapshot
+from bayesify.train.best import ACCURACY_MARGIN, FLIPPED_EXAMPLES, _snapshot, starting_state
 
 if TYPE_CHECKING:
     from bayesify.train.context import TrainContext
@@ -88,9 +88,7 @@ class StartGuard:
         if trains and carried is not None:
             self.initial = carried[1]["initial"]
         elif trains:  # held on the CPU for the whole fit (an ensemble's copies are its size)
-            self.initial = _snapshot(bnn, device="cpu")
-            if network is not None:
-                self.initial.update({k: v.to("cpu") for k, v in network(bnn).items()})
+            self.initial = starting_state(bnn)
         else:
             self.start_state = start_state
         # resumed: the model holds a trained state; the start is loaded to be counted
