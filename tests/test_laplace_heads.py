@@ -483,6 +483,50 @@ def test_the_start_is_scored_once_for_the_family_and_its_heads(monkeypatch) -> N
     assert (record[heads._TAU], record["temperature"]) == chosen
 
 
+@pytest.mark.parametrize("method", ["ibnn", "ensemble", "rank1", "swag"])
+def test_the_family_choice_is_scored_once_and_the_heads_keep_what_a_second_pass_measures(
+        method, monkeypatch) -> None:
+    """The heads keep the clean NLL and errors of the family's choice at its grid
+    temperature (``keep``): read from the walk's own pass of that choice, not measured again —
+    and equal to what a second pass measures (members are seeded); a knob whose ``settle``
+    may change the predictive after the walk (SWAG's BatchNorm statistics) is measured."""
+    from bayesify.train import context, tuning
+
+    seen: dict = {"pairs": []}
+    passes = []
+    search_knobs, fit_heads = tuning.search_knobs, heads.fit_heads
+
+    def counted(*args, **kwargs):
+        passes.append(1)
+        return tuning.installed_scores(*args, **kwargs)
+
+    def search(bnn, knobs, batches, ctx, **kwargs):
+        if kwargs.get("keep") is not None:
+            seen["pairs"].append((kwargs["keep"], seen.pop("again")))
+        record = search_knobs(bnn, knobs, batches, ctx, **kwargs)
+        if kwargs.get("keep") is None:
+            seen.update(grid_t=record["temperature_on_grid"], batches=batches, ctx=ctx)
+        return record
+
+    def heads_after_a_second_pass(source):
+        bnn = source.bnn
+        refined = bnn.state.value("temperature")
+        bnn.state.set("temperature", seen["grid_t"])
+        seen["again"] = tuning.installed_scores(bnn, seen["batches"], seen["ctx"])
+        bnn.state.set("temperature", refined)
+        return fit_heads(source)
+
+    monkeypatch.setattr(context, "installed_scores", counted)
+    monkeypatch.setattr(context, "search_knobs", search)
+    monkeypatch.setattr(heads, "fit_heads", heads_after_a_second_pass)
+    bnn = _fitted(method)
+    assert heads.fitted(bnn) and seen["pairs"]
+    for (nll, errors), (nll_again, errors_again) in seen["pairs"]:
+        torch.testing.assert_close(nll, nll_again, rtol=0, atol=1e-6)
+        assert torch.equal(errors, errors_again)
+    assert (len(passes) > 0) == (method == "swag")
+
+
 def _without_start(search_knobs):
     def search(*args, start=None, **kwargs):
         return search_knobs(*args, **kwargs)

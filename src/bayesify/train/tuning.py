@@ -415,6 +415,11 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     ``start``: a dict shared by consecutive searches of one model state and split (the
     family's, then its heads'): the first fills it with :func:`starting_point`'s result, the
     next reuse it instead of another pass of the start over the split and its shift ladder.
+    Each search also leaves there, as ``"installed"``, the per-example clean NLL ``[n]`` and
+    error ``[n]`` of its choice at the grid temperature (``temperature_on_grid``) — what
+    :func:`installed_scores` would measure with that temperature installed, from the pass the
+    walk already made (members are seeded: the same networks) — or None where the knob's
+    ``settle`` may change the predictive after the walk (SWAG's BatchNorm statistics).
 
     ``whole_split``: the validation split as one process streams it, unsharded (the shift
     ladder's calibration on the main process: :func:`starting_point`).
@@ -496,6 +501,9 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                             chosen_t)
             record["temperature"] = chosen_t
             record["val_nll"] = float(clean[v][columns[t]].mean())
+            if start is not None:  # what installed_scores would measure again (one pass)
+                start["installed"] = ((clean[v][columns[t]], walk.errors[v])
+                                      if knob is None or knob.settle is None else None)
             if shifted[v] is not None:
                 record["val_shift_nll"] = float(shifted[v][columns[t]].mean())
                 if scores is not None:
@@ -839,12 +847,14 @@ def search_with_heads(bnn: BayesianModel, search: Callable[..., dict[str, Any]],
         # grid: a refined family below it by the refinement alone became the heads'
         # reference, and on the stress matrix's token transformer, seed 1, the heads then
         # chose T = 2 over 2.38 and three families ended 0.02 nats worse on test)
-        refined = bnn.state.value("temperature")
-        bnn.state.set("temperature", record.get("temperature_on_grid", refined))
-        try:
-            own = scores()  # the heads keep it
-        finally:
-            bnn.state.set("temperature", refined)
+        own = start.pop("installed", None)  # the walk's pass of the choice, where it has one
+        if own is None:
+            refined = bnn.state.value("temperature")
+            bnn.state.set("temperature", record.get("temperature_on_grid", refined))
+            try:
+                own = scores()  # the heads keep it
+            finally:
+                bnn.state.set("temperature", refined)
         record.update(laplace_heads.fit_heads(heads_source))
         record.update(search(laplace_heads.heads_knob(bnn), keep=own, start=start))
     return record
