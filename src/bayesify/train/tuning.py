@@ -884,7 +884,7 @@ def one_sample_per_component(bnn: BayesianModel, knobs: list[Knob]) -> Iterator[
     where every knob is fixed at its ``one_sample_at`` value — every sample of a component
     is then the same network, so the predictive, the heads' curvature (averaged over a
     component's samples) and their search are those of the default S samples at 1/S of the
-    member forwards (iBNN: 4 of 20). Nothing changes otherwise."""
+    member forwards (iBNN: 4 of 8). Nothing changes otherwise."""
     config = bnn.method.config
     fixed = bool(knobs) and all(k.one_sample_at is not None and k.grid == (k.one_sample_at,)
                                 for k in knobs)
