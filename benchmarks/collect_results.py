@@ -60,6 +60,15 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session24.md", "The search's passes counted; iBNN predicts with 8 members; "
+             "stress seed 2 group B and the real Lite0's seed 1 at this code",
+             "python -m cProfile (fit of ibnn on minilm-text); BAYESIFY_BENCH_CACHE=cache "
+             "python benchmarks/quality.py --protocol P --seeds S --save-seeds --threads 1 "
+             "--methods ibnn [deep-ensemble-x5] --variant ibnn-n2 ibnn predict_samples=2; "
+             "bayesify demo --seed S; BAYESIFY_STRESS_SEED=2 BAYESIFY_STRESS_TEST=1 pytest -m "
+             "slow tests/test_stress_pretrained.py::test_every_family_with_defaults_on_every_trap; "
+             "python benchmarks/lite0_families.py --classes 10 --seed 1 --families ...; the text "
+             "is written by hand"),
         Part("session23.md", "The never-worse rules across a resume and after a custom loop; "
              "SWAG's stress column and the real Lite0 at this code",
              "python -m pytest tests/test_resume_never_worse.py tests/test_tune_start.py "
