@@ -204,8 +204,14 @@ def test_on_by_default_where_they_apply_and_any_samples_per_component_predicts()
     assert more.num_members == 10 and torch.isfinite(more.log_probs).all()
 
 
-@pytest.mark.parametrize("method", ["ensemble", "ibnn", "batchensemble", "rank1", "hypernet", "mnf",
-                                    "epinet", "swag"])
+#: every family at the default curvature ("features"); the other two structures for a stacked
+#: and a tiled family in the default run, the rest with ``-m slow`` (24 exports of ~20 s each
+#: were a quarter of the suite's time on the 2-core machine)
+@pytest.mark.parametrize("method,structure", [
+    pytest.param(m, s, marks=() if s == "features" or m in ("ensemble", "ibnn")
+                 else pytest.mark.slow)
+    for m in ("ensemble", "ibnn", "batchensemble", "rank1", "hypernet", "mnf", "epinet", "swag")
+    for s in ("kron", "full", "features")], indirect=["structure"])
 def test_exported_heads_equal_in_process(method: str, structure, tmp_path) -> None:
     """pt2 and ONNX exports of the heads' predictive (searched τ and T, sharpened) equal the
     in-process predictor to 1e-5, and the heads are not the family's own predictive."""
