@@ -60,6 +60,15 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session25.md", "A start is under-confident only if its gain survives one more "
+             "error; every family on both image protocols at torch 2.14.1",
+             "BAYESIFY_BENCH_CACHE=cache python benchmarks/temperature_floor.py --json F; "
+             "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol P --seeds S "
+             "--save-seeds --threads 1 --methods <12 families> deep-ensemble-x5; python "
+             "benchmarks/per_seed.py ... --json; python benchmarks/which_family.py ... --json; "
+             "BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 pytest -m slow "
+             "tests/test_stress_pretrained.py::test_every_family_with_defaults_on_every_trap "
+             "-k 'True and ...'; the text is written by hand"),
         Part("session24.md", "The search's passes counted; iBNN predicts with 8 members; "
              "stress seed 2 group B and the real Lite0's seed 1 at this code",
              "python -m cProfile (fit of ibnn on minilm-text); BAYESIFY_BENCH_CACHE=cache "
