@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from test_stress_pretrained import _logits as _loader_logits  # a model's logits on a loader
+
 from bayesify.train.tuning import (
     TEMPERATURES,
     _nll_by_temperature,
@@ -39,17 +41,6 @@ from bayesify.train.tuning import (
     network_floor,
     unseen_error,
 )
-
-
-@torch.no_grad()
-def _loader_logits(model, loader) -> tuple[torch.Tensor, torch.Tensor]:
-    from bayesify.core.batch import iter_batches
-
-    zs, ys = [], []
-    for batch in iter_batches(loader, device=torch.device("cpu")):
-        zs.append(batch.call(model).float())
-        ys.append(batch.labels)
-    return torch.cat(zs), torch.cat(ys)
 
 
 def case(name: str, val: tuple[torch.Tensor, torch.Tensor],
