@@ -131,6 +131,31 @@ def test_post_hoc_dropout_without_validation_keeps_the_accuracy(depthwise12):
     assert "guard_train_accuracy" not in record and "dropout_rate_scale_grid" in record
 
 
+def test_post_hoc_dropout_guard_sees_a_memorised_training_set():
+    """A network trained with batches of one on 64 images predicts every training image
+    right at every dropout rate, so the training accuracy cannot tell ½ from 0.1 (on the
+    stress matrix's batch-of-one network ½ cost 2.3 points of validation accuracy); the
+    expected accuracy — the mean probability of the true label — still falls with the
+    rate, and the guard keeps that within a point too."""
+    model, train, _ = bn_cnn(size=12, steps=300, n_train=64, batch_size=1)
+    torch.manual_seed(0)
+    bnn = bayesify.bayesify(model, method="dropout")
+    record = bayesify.fit(bnn, train, progress=False, seed=0).last
+    assert record["guard_train_accuracy_map"] == 1.0  # memorised
+    scale = bnn.state.value("dropout_rate_scale")
+    assert scale < 0.5
+    assert (record["guard_train_expected_accuracy"]
+            >= record["guard_train_expected_accuracy_map"] - 0.01)
+    x, y = train.dataset.tensors
+    bnn.eval()
+    bnn.state.set("dropout_rate_scale", 0.5)
+    with torch.no_grad():
+        probs = bnn.predictive(x, samples_per_component=8, seed=0).probs
+    assert bool((probs.argmax(-1) == y).all())  # accuracy alone would have kept ½
+    assert float(probs.gather(-1, y.view(-1, 1)).mean()) \
+        < record["guard_train_expected_accuracy_map"] - 0.01
+
+
 @pytest.mark.parametrize("method", ["batchensemble", "rank1"])
 def test_rank_one_factors_anneal_their_rate_so_the_last_iterate_keeps_the_accuracy(method,
                                                                                    depthwise12):

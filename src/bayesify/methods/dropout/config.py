@@ -37,9 +37,10 @@ class DropoutConfig(MethodConfig):
     )
     keep_accuracy: float | None = option(
         0.01, "Post-hoc dropout fitted without a val_loader: the rate multiplier is the largest "
-        "of 0.5, 0.25, 0.1, 0 whose predictive's accuracy on the training examples (the first "
-        "2048 of each process) is within this much of the network's. None: keep the rate p "
-        "untouched. With a val_loader the validation search chooses it.")
+        "of 0.5, 0.25, 0.1, 0 whose predictive's accuracy and expected accuracy (mean "
+        "probability of the true label) on the training examples (the first 2048 of each "
+        "process) are within this much of the network's. None: keep the rate p untouched. "
+        "With a val_loader the validation search chooses it.")
     samples: int = option(1, "Training repeats of every example (each with its own mask).")
     predict_samples: int = option(8, "M: dropout masks (members) at prediction.")
 
