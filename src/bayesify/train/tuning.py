@@ -376,11 +376,7 @@ def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
     def logits(batch: Batch) -> torch.Tensor:
         return logits_of(call_model(base, batch.model_input())).float()
 
-    parts, runner = [], []
-    for batch in batches():
-        z = logits(batch)
-        parts.append(_base_nll(z, batch))
-        runner.append(_runner_up_nll(z))
+    parts, runner = _start_scores(logits, batches)
     per_t, errors = _split(_gather(parts, ctx))
     floor = network_floor(per_t, unseen_error(errors, _gather(runner, ctx)))
     columns = _at_least(temperature_floor(bnn, floor))
@@ -399,6 +395,19 @@ def starting_point(bnn: BayesianModel, batches: Batches, ctx: DistContext, *,
             counts = all_gather_objects(len(parts), ctx)
             shift = dataclasses.replace(shift, first_index=sum(counts[:ctx.rank]))
     return per_t[best], best, columns, errors, floor, shift
+
+
+def _start_scores(logits: Callable[[Batch], torch.Tensor],
+                  batches: Batches) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This rank's ``[T + 1, B]`` pieces of the start's :func:`_base_nll` and
+    :func:`_runner_up_nll`, one batch at a time (a function of its own: no batch outlives
+    the pass, so the shift ladder's pass after it holds one batch at a time too)."""
+    parts, runner = [], []
+    for batch in batches():
+        z = logits(batch)
+        parts.append(_base_nll(z, batch))
+        runner.append(_runner_up_nll(z))
+    return parts, runner
 
 
 def _runner_up_nll(logits: torch.Tensor) -> torch.Tensor:
