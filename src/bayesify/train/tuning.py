@@ -39,8 +39,8 @@ paired standard errors, with one more error at the split's median confidence
 (:func:`unseen_error`) counted in (an under-confident network, e.g. one trained with a
 large weight decay: start 0.47 → 0.29 nats at T ≈ 0.5), else T ≥ 1 (sharpening a broad
 posterior to buy back its clean NLL cost shift NLL on the quality protocol: ibnn seed 1,
-2.42 → 3.41; benchmarks/results/issue29.md). Laplace goes below that floor only for a τ that is not
-feasible above it — and never on token inputs (:func:`token_inputs`: a ``[batch, length]``
+2.42 → 3.41; benchmarks/results/issue29.md). Laplace goes below that floor only for a τ
+that is not feasible above it — and never on token inputs (:func:`token_inputs`: a ``[batch, length]``
 integer content input), for any family or its heads: on a MiniLM fine-tuned whole
 (``benchmarks/protocols.py`` ``minilm-text``) the broad predictives sharpened back to the
 start's clean NLL were 1.1–1.6× the start's NLL under held-out wording shifts (typos, dropped
@@ -218,11 +218,12 @@ def network_floor(start_nll: torch.Tensor | None,
     one more example the gain at the split's own best temperature must survive
     (:func:`unseen_error`: an error at the split's median confidence; it decides whether,
     not which temperature). On 43 networks × validation splits (the CNN and ViT quality
-    protocols, the stress matrix's 13 kinds of network × 3 seeds, the demo) it turned two
+    protocols, the stress matrix's 11 kinds of network × 3 seeds, the demo) it turned two
     marginal floors to 1 — the CNN protocol's seed 2 (+0.027 nats at 3.5 SE on validation),
     where sharpening cost 0.023 on test, and a 2-class stress network (+0.020 at 3.8 SE)
     whose test gained 0.009 from it — and left the clearly under-confident ones (0.11–0.43
-    nats gained on validation and on test) where they were (benchmarks/results/session25.md).
+    nats gained on validation, 0.13–0.46 on test) where they were
+    (benchmarks/results/session25.md).
 
     Not lower for a smaller gain: measured with the floor at the start's best temperature
     whenever sharpening gained at most the tolerance, the demo's MAP on a validation split it
