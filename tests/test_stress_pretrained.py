@@ -525,8 +525,9 @@ def vouched_nll(model, loader) -> float:
     up: the reference fit's search promises to stay within 0.005 of. On a split whose gain
     from sharpening the start does not survive one more error at its median confidence, the
     families stay at T ≥ 1 (the 2-class network of seed 0: val asks T = 0.59 for 0.020 nats;
-    on the CNN quality protocol's seed 2 the same kind of gain cost 0.023 on test and the
-    families' shift NLL went from 0.77× to 0.97× the start's, benchmarks/results/session25.md);
+    on the CNN quality protocol's seed 2 the same kind of gain cost 0.023 on test, and the
+    families sharpened to it ended at 0.97–1.12× the start's shift NLL, 0.76–0.79× without,
+    benchmarks/results/session25.md);
     ``nll0_t`` (every temperature) stays in the table for the held-out bar."""
     import torch.nn.functional as F
 
