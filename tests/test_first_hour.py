@@ -252,6 +252,47 @@ def test_grid_edge_advice_names_the_option_that_exists():
     assert "scale_grid" not in str(record[0].message)
 
 
+def test_a_broad_end_where_the_shifted_nll_had_flattened_is_logged_not_warned(caplog):
+    """The demo's iBNN heads chose τ = 1e-4, the broad end of their grid, with the shifted
+    validation NLL at 1.1426 against 1.1453 one value narrower (steps of 0.24 %, 0.7 %,
+    1.7 %, 3.6 % towards it): the curve had converged, and "the best value may lie beyond"
+    on the first screen was noise. A curve still falling at the edge keeps the warning."""
+    from bayesify.core.fitting import Knob
+
+    bnn = bayesify(model(), "ibnn")
+    heads = Knob(name="heads_prior_precision", grid=(1e-4, 3.16e-4, 1e-3), meaning="τ",
+                 set=lambda _: None, prefer="smallest", widen="the heads' τ grid is fixed")
+    values = list(heads.grid)
+    flat = [1.1426, 1.1453, 1.1531]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no UserWarning at all
+        with caplog.at_level(logging.INFO, logger="bayesify.train.tuning"):
+            tuning._warn_at_edge(bnn, heads, values, 0, shift_nll=flat)
+    assert "had flattened there (1.143 against 1.145" in caplog.text
+    falling = [1.10, 1.1453, 1.1531]  # 4 % in the last step: the grid decided
+    with pytest.warns(UserWarning, match="broadest end"):
+        tuning._warn_at_edge(bnn, heads, values, 0, shift_nll=falling)
+    # an unscored neighbour, or no shift signal, says nothing about flatness: warned
+    for unknown in ([1.1426, None, 1.1531], None):
+        with pytest.warns(UserWarning, match="broadest end"):
+            tuning._warn_at_edge(bnn, heads, values, 0, shift_nll=unknown)
+    # the narrow end is warned about however flat the curve is there
+    with pytest.warns(UserWarning, match="narrowest end"):
+        tuning._warn_at_edge(bnn, heads, values, 2, shift_nll=[1.0, 1.0, 1.0])
+
+
+@pytest.mark.slow
+def test_the_demo_with_defaults_shows_no_warning(tmp_path):
+    """The first screen a user sees: ``bayesify demo`` with every default prints the table
+    and the verdict, not a UserWarning about a grid (stop 25: the heads' τ at 1e-4)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["demo", "--out", str(tmp_path), "--no-progress", "--no-plots"]) == 0
+    said = [f"{w.category.__name__}: {w.message}" for w in caught
+            if issubclass(w.category, UserWarning)]
+    assert not said, said
+
+
 def test_the_narrow_end_warning_says_what_the_search_saw_not_that_the_posterior_is_the_start():
     """At the narrow end of its grid a posterior may still be far from the start (a MobileNetV3
     whose ensemble members reached 0.98 validation accuracy from 0.78 chose member temperature

@@ -305,7 +305,8 @@ def fit(
         if step.optimizes:
             _forward(state, compile=compile, find_unused_parameters=find_unused_parameters)
         result = FitResult(history=state.history)
-        watch = FitWatch(state, fresh=payload is None)
+        watch = FitWatch(state, fresh=payload is None,
+                         chosen=lr_given or epochs is not None or min_steps is not None)
         log = HistoryLog(log_dir, ctx)
         hooks = [as_callback(c) for c in callbacks] + ([as_callback(clock)] if step.optimizes
                                                         else [])
