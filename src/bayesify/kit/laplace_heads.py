@@ -400,13 +400,17 @@ def set_prior_precision(bnn: BayesianModel, tau: float) -> None:
     bnn.state.set(_TAU, tau)
 
 
+#: the name of the heads' τ knob (records: ``heads_prior_precision``, ``…_grid``, …)
+KNOB_NAME = "heads_prior_precision"
+
+
 def heads_knob(bnn: BayesianModel) -> list[Knob]:
     """τ of every member's head on a log grid (smallest = broadest), once fitted; the
     search scores the whole grid from one member forward per batch (``grid_log_probs``)."""
     if not enabled(bnn) or not fitted(bnn):
         return []
     grid = tuple(log_grid(TAU_GRID))
-    return [Knob(name="heads_prior_precision", grid=grid,
+    return [Knob(name=KNOB_NAME, grid=grid,
                  meaning="prior precision τ of the member-wise Laplace heads; smaller is broader",
                  set=lambda tau: set_prior_precision(bnn, tau), prefer="smallest", initial=None,
                  sharpens=True,

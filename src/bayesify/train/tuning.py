@@ -454,9 +454,14 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                  keep: tuple[torch.Tensor, torch.Tensor] | None = None,
                  start: dict[str, Any] | None = None,
                  whole_split: Batches | None = None,
-                 scores: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+                 scores: dict[str, torch.Tensor] | None = None,
+                 heads_follow: bool = False) -> dict[str, Any]:
     """Choose every knob in turn, each jointly with the temperature (see the module
     docstring); installs the choice and returns the record.
+
+    ``heads_follow``: the member-wise Laplace heads are part of the predictive after this
+    search (fitted and searched next, or searched here too): a family knob at the narrow end
+    of its grid is then logged, not warned about (:func:`_warn_at_edge`).
 
     ``keep``: the per-example clean validation NLL and error ``[n]`` of a predictive the
     search must not give back (:func:`installed_scores` of the family, searched, before its
@@ -554,7 +559,8 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                 curves = _curves(knob, values, v, columns[t], clean, shifted)
                 record.update(curves)
                 _warn_at_edge(bnn, knob, values, v,
-                              shift_nll=curves.get(f"{knob.name}_shift_nll"))
+                              shift_nll=curves.get(f"{knob.name}_shift_nll"),
+                              heads_follow=heads_follow and knob.name != laplace_heads.KNOB_NAME)
                 logger.info("%s: %s = %.3g, temperature %.3g chosen on validation (%s)",
                             bnn.method_name, knob.name, values[v], chosen_t, knob.meaning)
                 if knob.settle is not None:
@@ -845,18 +851,25 @@ def _flat_at_edge(values: list[float], index: int, shift_nll: list[float | None]
 
 
 def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: int, *,
-                  shift_nll: list[float | None] | None = None) -> None:
+                  shift_nll: list[float | None] | None = None,
+                  heads_follow: bool = False) -> None:
     """A value at an end of its grid says the grid, not the data, decided — except at the
     broad end of a shifted NLL that had flattened there (``shift_nll``: the per-value
     shifted validation NLL at the chosen temperature, None where unscored;
-    :data:`FLAT_EDGE`), which is logged."""
+    :data:`FLAT_EDGE`), and at the narrow end of a family's knob whose member-wise Laplace
+    heads follow (``heads_follow``: they give the predictive its spread off the data, and
+    "keeps only the spread training gave" is not true), which are logged."""
     if len(values) < 2:
         return
     ordered = sorted(values)
     narrowest = ordered[0] if knob.prefer == "largest" else ordered[-1]
     broadest = ordered[-1] if knob.prefer == "largest" else ordered[0]
     value = values[index]
-    if value == narrowest:
+    if value == narrowest and heads_follow:
+        logger.info("%s: the validation search chose %s = %g, the narrowest end of its grid; "
+                    "the member-wise Laplace heads give the predictive its spread off the data",
+                    bnn.method_name, knob.name, value)
+    elif value == narrowest:
         advice = "give fit a shift_loader that shows the shift you expect, or use another family"
         advice = (advice.capitalize() if bnn.method.step().trains_nothing
                   else f"Train longer (more epochs), {advice}")
@@ -935,7 +948,8 @@ def search_with_heads(bnn: BayesianModel, search: Callable[..., dict[str, Any]],
     for the starting state with heads)."""
     laplace_heads.unfit(bnn)  # heads of an earlier state (keep-best) are stale
     start: dict[str, Any] = {}
-    record = search(bnn.method.knobs(bnn) if knobs is None else knobs, start=start)
+    record = search(bnn.method.knobs(bnn) if knobs is None else knobs, start=start,
+                    heads_follow=laplace_heads.enabled(bnn))
     if laplace_heads.enabled(bnn):  # member-wise Laplace heads (issue 31)
         # what the family reached, at its grid temperature (the start's reference is on the
         # grid: a refined family below it by the refinement alone became the heads'
@@ -1062,7 +1076,8 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | N
                         "train_loader=...) fits them (a pass over up to 10,000 training "
                         "examples after the family's search); without it the family's own "
                         "knobs are searched", bnn.method_name)
-        return search(bnn.method.knobs(bnn) + laplace_heads.heads_knob(bnn))
+        own_heads = laplace_heads.heads_knob(bnn)  # fitted heads are searched alongside
+        return search(bnn.method.knobs(bnn) + own_heads, heads_follow=bool(own_heads))
 
 
 def _weigh_start(bnn: BayesianModel, record: dict[str, Any], start: dict[str, torch.Tensor],
