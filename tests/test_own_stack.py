@@ -138,6 +138,25 @@ def test_a_posterior_that_did_not_move_warns(monkeypatch):
     assert not any("barely moved" in m for m in said), said
 
 
+def test_fit_tells_the_watch_whether_the_caller_chose_lr_or_the_budget(monkeypatch, caplog):
+    """``fit`` with the family's lr and budget logs a posterior that barely moved; the same
+    fit with ``lr``, ``epochs`` or ``min_steps`` given warns (every posterior counts as
+    barely moved here: the bound is raised to 10)."""
+    from bayesify.train.hooks import FitWatch
+
+    monkeypatch.setenv("BAYESIFY_MIN_STEPS", "4")
+    monkeypatch.setattr(FitWatch, "MOVED_TOL", 10.0)
+    monkeypatch.setattr(FitWatch, "LEARNED", 0.0)  # never "learned"
+    net, data = _pretrained()
+    for given, warns in (({}, False), ({"lr": 0.05}, True), ({"epochs": 1}, True),
+                         ({"min_steps": 4}, True)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="bayesify.train.hooks"):
+            said = _fit_warnings(bayesify(net, "ibnn"), data, **given)
+        assert any("barely moved" in m for m in said) == warns, (given, said)
+        assert ("at its default lr and budget" in caplog.text) == (not warns), given
+
+
 @pytest.mark.parametrize("last_nll, chosen, warns",
                          [(0.30, True, True), (0.05, True, False), (0.30, False, False)])
 def test_a_posterior_whose_predictions_moved_is_not_told_it_did_not(last_nll, chosen, warns,
