@@ -60,6 +60,16 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session26.md", "Messages a default fit should not give; what last-layer Laplace "
+             "can reach at the clean bar; the real Lite0 and stress group B at this code",
+             "BAYESIFY_BENCH_CACHE=cache python benchmarks/laplace_oracle.py --protocol P "
+             "--seeds 0 1 2 --feature-weights 0.01 1 --json F; python benchmarks/quality.py "
+             "--protocol digits-vit --seeds 0 --methods ensemble deep-ensemble-x5 --variant "
+             "ens-rand ensemble head_init=random ...; python benchmarks/lite0_families.py "
+             "--classes 10 --seed 0 --epochs default --families laplace ibnn swag mnf meanfield; "
+             "BAYESIFY_STRESS_SEED=0 BAYESIFY_STRESS_TEST=1 pytest -m slow "
+             "tests/test_stress_pretrained.py::test_every_family_with_defaults_on_every_trap "
+             "-k 'True and ...'; the text is written by hand"),
         Part("session25.md", "A start is under-confident only if its gain survives one more "
              "error; every family on both image protocols at torch 2.14.1",
              "BAYESIFY_BENCH_CACHE=cache python benchmarks/temperature_floor.py --json F; "

@@ -26,11 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from protocols import PROTOCOLS  # noqa: E402
+from protocols import PROTOCOLS
 
-import bayesify  # noqa: E402
-from bayesify.kit import feature_layers  # noqa: E402
-from bayesify.metrics import ood_auroc  # noqa: E402
+import bayesify
+from bayesify.kit import feature_layers
+from bayesify.metrics import ood_auroc
 
 TAUS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 TEMPERATURES = (0.05, 0.07, 0.1, 0.14, 0.2, 0.28, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0)

@@ -200,12 +200,12 @@ class TrainContext:
                              batch_fn=self.batch_fn)
 
     def tune(self, knobs: list[Knob], *, keep: tuple[torch.Tensor, torch.Tensor] | None = None,
-             start: dict[str, Any] | None = None, heads_follow: bool = False) -> dict[str, Any]:
+             start: dict[str, Any] | None = None) -> dict[str, Any]:
         return search_knobs(self.bnn, knobs, self.val_batches, self.ctx,
                             shift_batches=self.shift_batches if self.shift_loader is not None
                             else None, progress=self.show_progress and self.is_main, keep=keep,
                             start=start, whole_split=self.whole_val_batches,
-                            scores=self.search_scores, heads_follow=heads_follow)
+                            scores=self.search_scores)
 
     def clean_scores(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``[n]`` per-example clean validation NLL and error of the predictive as it is now."""

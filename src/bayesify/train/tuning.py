@@ -460,8 +460,9 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     docstring); installs the choice and returns the record.
 
     ``heads_follow``: the member-wise Laplace heads are part of the predictive after this
-    search (fitted and searched next, or searched here too): a family knob at the narrow end
-    of its grid is then logged, not warned about (:func:`_warn_at_edge`).
+    search (fitted and searched next, or searched here too; also ``start["heads_follow"]``,
+    which :func:`search_with_heads` sets): a family knob at the narrow end of its grid is
+    then logged, not warned about (:func:`_warn_at_edge`).
 
     ``keep``: the per-example clean validation NLL and error ``[n]`` of a predictive the
     search must not give back (:func:`installed_scores` of the family, searched, before its
@@ -495,6 +496,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     :meth:`bayesify.train.best.BestState._start_with_heads` pairs two searched states on."""
     if not knobs and not temperature:
         return {}
+    heads_follow = heads_follow or bool(start is not None and start.get("heads_follow"))
     record: dict[str, Any] = {}
     was_training = bnn.training
     bnn.eval()
@@ -947,9 +949,9 @@ def search_with_heads(bnn: BayesianModel, search: Callable[..., dict[str, Any]],
     ``knobs``: the family's knobs to search (default: all it declares; :func:`neutral_knobs`
     for the starting state with heads)."""
     laplace_heads.unfit(bnn)  # heads of an earlier state (keep-best) are stale
-    start: dict[str, Any] = {}
-    record = search(bnn.method.knobs(bnn) if knobs is None else knobs, start=start,
-                    heads_follow=laplace_heads.enabled(bnn))
+    # the searches read it there: a family knob at the narrow end of its grid is the heads'
+    start: dict[str, Any] = {"heads_follow": laplace_heads.enabled(bnn)}
+    record = search(bnn.method.knobs(bnn) if knobs is None else knobs, start=start)
     if laplace_heads.enabled(bnn):  # member-wise Laplace heads (issue 31)
         # what the family reached, at its grid temperature (the start's reference is on the
         # grid: a refined family below it by the refinement alone became the heads'
