@@ -149,16 +149,17 @@ class FitWatch:
             moved = math.sqrt(sum(float((p.detach() - b).pow(2).sum())
                                   for p, b in zip(self.tensors, self.begin)))
             size = math.sqrt(sum(float(b.pow(2).sum()) for b in self.begin))
-            if moved <= self.MOVED_TOL * max(size, 1e-12) and not self.chosen:
+            relative = moved / max(size, 1e-12)
+            if relative <= self.MOVED_TOL and not self.chosen:
                 logger.info(
                     "the posterior of %r stayed within %.2g (relative) of its initialisation "
                     "in %d optimiser steps at its default lr and budget: the training data "
                     "moved it little; its spread is what the validation search sets",
-                    family, moved / max(size, 1e-12), steps)
-            elif moved <= self.MOVED_TOL * max(size, 1e-12):
+                    family, relative, steps)
+            elif relative <= self.MOVED_TOL:
                 warnings.warn(
                     f"the posterior of {family!r} barely moved from its initialisation in "
-                    f"{steps} optimiser steps (relative change {moved / max(size, 1e-12):.2g} "
+                    f"{steps} optimiser steps (relative change {relative:.2g} "
                     f"< {self.MOVED_TOL:g}); raise lr or epochs", stacklevel=3)
 
 

@@ -839,17 +839,18 @@ def _neighbours(values: list[float], index: int) -> list[int]:
 FLAT_EDGE = 0.01
 
 
-def _flat_at_edge(values: list[float], index: int, shift_nll: list[float | None] | None) -> bool:
-    """Whether the shifted validation NLL at ``values[index]`` (an end of the grid) is within
-    :data:`FLAT_EDGE` of its grid neighbour's (both scored at the chosen temperature)."""
-    if not shift_nll:
-        return False
-    neighbour = _neighbours(values, index)
+def _flat_at_edge(values: list[float], index: int,
+                  shift_nll: list[float | None] | None) -> float | None:
+    """The grid neighbour's shifted validation NLL where the one at ``values[index]`` (an end
+    of the grid) is within :data:`FLAT_EDGE` of it (both scored at the chosen temperature),
+    else None."""
+    neighbour = _neighbours(values, index) if shift_nll else []
     if len(neighbour) != 1:
-        return False
-    edge, near = shift_nll[index], shift_nll[neighbour[0]]
-    return (edge is not None and near is not None and math.isfinite(edge)
+        return None
+    edge, near = shift_nll[index], shift_nll[neighbour[0]]  # type: ignore[index]
+    flat = (edge is not None and near is not None and math.isfinite(edge)
             and math.isfinite(near) and near - edge <= FLAT_EDGE * abs(edge))
+    return near if flat else None
 
 
 def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: int, *,
@@ -867,6 +868,7 @@ def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: in
     narrowest = ordered[0] if knob.prefer == "largest" else ordered[-1]
     broadest = ordered[-1] if knob.prefer == "largest" else ordered[0]
     value = values[index]
+    flat_near = _flat_at_edge(values, index, shift_nll) if value == broadest else None
     if value == narrowest and heads_follow:
         logger.info("%s: the validation search chose %s = %g, the narrowest end of its grid; "
                     "the member-wise Laplace heads give the predictive its spread off the data",
@@ -881,12 +883,12 @@ def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: in
             f"validation (clean NLL within {CLEAN_TOLERANCE:g} nats of the calibrated start's, "
             "then the lowest NLL under the search's shifts), so the predictive keeps only the "
             f"spread training gave the posterior. {advice}", stacklevel=3)
-    elif value == broadest and _flat_at_edge(values, index, shift_nll):
+    elif flat_near is not None:
         logger.info("%s: the validation search chose %s = %g, the broadest end of its grid; "
                     "the NLL under the search's shifts had flattened there (%.4g against %.4g "
                     "at the next value): a broader value would change little",
                     bnn.method_name, knob.name, value, shift_nll[index],  # type: ignore[index]
-                    shift_nll[_neighbours(values, index)[0]])  # type: ignore[index]
+                    flat_near)
     elif value == broadest and not (knob.broad_limit is not None and knob.broad_limit()):
         warnings.warn(
             f"{bnn.method_name}: the validation search chose {knob.name} = {value:g}, the "
