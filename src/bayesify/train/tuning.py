@@ -454,15 +454,14 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                  keep: tuple[torch.Tensor, torch.Tensor] | None = None,
                  start: dict[str, Any] | None = None,
                  whole_split: Batches | None = None,
-                 scores: dict[str, torch.Tensor] | None = None,
-                 heads_follow: bool = False) -> dict[str, Any]:
+                 scores: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Choose every knob in turn, each jointly with the temperature (see the module
     docstring); installs the choice and returns the record.
 
-    ``heads_follow``: the member-wise Laplace heads are part of the predictive after this
-    search (fitted and searched next, or searched here too; also ``start["heads_follow"]``,
-    which :func:`search_with_heads` sets): a family knob at the narrow end of its grid is
-    then logged, not warned about (:func:`_warn_at_edge`).
+    ``start["heads_follow"]``: the member-wise Laplace heads are part of the predictive
+    after this search (fitted and searched next, or searched here too: set by
+    :func:`search_with_heads` and :func:`tune`): a family knob at the narrow end of its grid
+    is then logged, not warned about (:func:`_warn_at_edge`).
 
     ``keep``: the per-example clean validation NLL and error ``[n]`` of a predictive the
     search must not give back (:func:`installed_scores` of the family, searched, before its
@@ -496,7 +495,7 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
     :meth:`bayesify.train.best.BestState._start_with_heads` pairs two searched states on."""
     if not knobs and not temperature:
         return {}
-    heads_follow = heads_follow or bool(start is not None and start.get("heads_follow"))
+    heads_follow = bool(start is not None and start.get("heads_follow"))
     record: dict[str, Any] = {}
     was_training = bnn.training
     bnn.eval()
@@ -1081,7 +1080,7 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | N
                         "examples after the family's search); without it the family's own "
                         "knobs are searched", bnn.method_name)
         own_heads = laplace_heads.heads_knob(bnn)  # fitted heads are searched alongside
-        return search(bnn.method.knobs(bnn) + own_heads, heads_follow=bool(own_heads))
+        return search(bnn.method.knobs(bnn) + own_heads, start={"heads_follow": bool(own_heads)})
 
 
 def _weigh_start(bnn: BayesianModel, record: dict[str, Any], start: dict[str, torch.Tensor],
