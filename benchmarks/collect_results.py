@@ -60,6 +60,14 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session27.md", "The text protocol's cost at this code and where a text fit's time "
+             "goes; a held-out EfficientNet-B0; stress seed 1 group B and seed 2 group A",
+             "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol minilm-text "
+             "--seeds 0 --save-seeds --threads 1 --methods <12 families> deep-ensemble-x5; "
+             "python benchmarks/per_seed.py F; python benchmarks/held_out_nets.py effb0 0 F; "
+             "BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 pytest -m slow "
+             "tests/test_stress_pretrained.py::test_every_family_with_defaults_on_every_trap "
+             "-k '<True|False> and ...'; the text is written by hand"),
         Part("session26.md", "Messages a default fit should not give; what last-layer Laplace "
              "can reach at the clean bar; the real Lite0 and stress group B at this code",
              "BAYESIFY_BENCH_CACHE=cache python benchmarks/laplace_oracle.py --protocol P "
