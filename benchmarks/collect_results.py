@@ -64,7 +64,8 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "goes; a held-out EfficientNet-B0; stress seed 1 group B and seed 2 group A",
              "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol minilm-text "
              "--seeds 0 --save-seeds --threads 1 --methods <12 families> deep-ensemble-x5; "
-             "python benchmarks/per_seed.py F; python benchmarks/held_out_nets.py effb0 0 F; "
+             "python benchmarks/per_seed.py F; python benchmarks/profile_fit.py meanfield "
+             "--protocol minilm-text --seed 0; python benchmarks/held_out_nets.py effb0 0 F; "
              "BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 pytest -m slow "
              "tests/test_stress_pretrained.py::test_every_family_with_defaults_on_every_trap "
              "-k '<True|False> and ...'; the text is written by hand"),
