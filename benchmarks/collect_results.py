@@ -61,7 +61,8 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
         Part("session27.md", "The text protocol's cost at this code and where a text fit's time "
-             "goes; a held-out EfficientNet-B0; stress seed 1 group B and seed 2 group A",
+             "goes; a held-out EfficientNet-B0; stress seed 1 group B and seed 2 group A with "
+             "validation, seed 2 group B without",
              "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol minilm-text "
              "--seeds 0 --save-seeds --threads 1 --methods <12 families> deep-ensemble-x5; "
              "python benchmarks/per_seed.py F; python benchmarks/profile_fit.py meanfield "

@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     p = spec.build(args.seed)
     loaders = p.loaders(args.seed)
-    bnn = bayesify.bayesify(spec.pretrained(p, args.seed), method=args.family, **options)
+    base = spec.pretrained(p, args.seed)
+    torch.manual_seed(args.seed)  # the posterior's initial draw, whatever building the net used
+    bnn = bayesify.bayesify(base, method=args.family, **options)
     profile = cProfile.Profile()
     began = time.perf_counter()
     profile.enable()
