@@ -8,7 +8,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # and keep the old one-epoch default (subprocesses inherit it). Tests of the library's real
 # defaults use the `library_budget` fixture.
 os.environ["BAYESIFY_MIN_STEPS"] = "1"
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# ``pytest`` runs the files on several worker processes (pytest-xdist, ``-n auto`` in
+# pyproject.toml): one thread each, so two workers on two cores do not fight over them
+# (the networks are small; a second thread buys little). A run without xdist keeps two.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+#: the most worker processes ``-n auto`` starts: each holds torch and its networks (~2 GB)
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core the process may use, at most ``MAX_WORKERS``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
 
 
 @pytest.fixture(scope="session")
