@@ -32,6 +32,10 @@ class Part:
 CAPABILITIES: list[tuple[str, str, list[Part]]] = [
     ("The first hour", ("What a newcomer waits for: the demo, the README's first example, the "
      "tests."), [
+        Part("session28.md", "The tests on one worker process per core (pytest-xdist): 10 min "
+             "50 s instead of 20 min 32 s on two cores",
+             "time pytest -q; time pytest -q -n 0 --durations=0; time bash .ci/run",
+             section="## 1. The test suite"),
         Part("first_hour.md", "bayesify demo, the first example and the tests: time and verdict",
              "OMP_NUM_THREADS=1 /usr/bin/time -v bayesify demo --no-progress"),
         Part("ibnn_per_network.md", "iBNN's default spread on a deep real network "
@@ -60,6 +64,12 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session28.md", "The stress matrix at this code: seed 1 group A with validation",
+             "BAYESIFY_STRESS_SEED=1 BAYESIFY_STRESS_TEST=1 BAYESIFY_STRESS_TABLE=F pytest -m slow "
+             "-n 2 --dist load tests/test_stress_pretrained.py::"
+             "test_every_family_with_defaults_on_every_trap -k 'True and (...)'; "
+             "python benchmarks/stress_table.py F",
+             section="## 2. The stress matrix"),
         Part("session27.md", "The text protocol's cost at this code and where a text fit's time "
              "goes; a held-out EfficientNet-B0; stress seed 1 group B and seed 2 group A with "
              "validation, seed 2 group B without",
