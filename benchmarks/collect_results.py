@@ -64,8 +64,9 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
-        Part("session28.md", "The stress matrix at this code: seed 1 group A with validation",
-             "BAYESIFY_STRESS_SEED=1 BAYESIFY_STRESS_TEST=1 BAYESIFY_STRESS_TABLE=F pytest -m slow "
+        Part("session28.md", "The stress matrix at this code: seed 1 group A and seed 2 group B "
+             "with validation",
+             "BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 BAYESIFY_STRESS_TABLE=F pytest -m slow "
              "-n 2 --dist load tests/test_stress_pretrained.py::"
              "test_every_family_with_defaults_on_every_trap -k 'True and (...)'; "
              "python benchmarks/stress_table.py F",
