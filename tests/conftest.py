@@ -8,8 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # and keep the old one-epoch default (subprocesses inherit it). Tests of the library's real
 # defaults use the `library_budget` fixture.
 os.environ["BAYESIFY_MIN_STEPS"] = "1"
-# ``pytest`` runs the files on several worker processes (pytest-xdist, ``-n auto`` in
-# pyproject.toml): one thread each, so two workers on two cores do not fight over them
+# ``pytest`` runs the files on several worker processes (pytest-xdist, ``-n auto``: see
+# ``pytest_cmdline_main`` below): one thread each, so two workers on two cores do not fight over them
 # (the networks are small; a second thread buys little). A run without xdist keeps two.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -21,6 +21,21 @@ else:
 MAX_WORKERS = 4
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """``pytest`` runs on one worker per core (``-n auto --dist loadfile``: each file on one
+    worker, so module fixtures are built once) where pytest-xdist is installed; ``-n N``,
+    ``-n 0`` or ``--pdb`` choose otherwise. Without pytest-xdist (or with ``-p no:xdist``)
+    the suite runs in one process instead of failing on an unknown ``-n``."""
+    if hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist"):
+        return
+    if config.option.numprocesses is None and not config.getoption("usepdb", False):
+        config.option.numprocesses = "auto"
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core the process may use, at most ``MAX_WORKERS``."""
     try:

@@ -5,6 +5,7 @@ advice applies. Each test shows the message a user gets."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -100,6 +101,19 @@ def test_demo_runs_without_extras(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ibnn vs map:" in done.stdout
 
+
+def test_pytest_runs_without_xdist():
+    """The suite's configuration needs pytest-xdist only where it is installed: with ``-p
+    no:xdist`` (as if it were missing) pytest runs in one process, not an INTERNALERROR on
+    the conftest's xdist hook or "unrecognized arguments: -n"."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+         "tests/test_import_layout.py::test_the_package_is_in_src_and_setuptools_looks_there"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+        env=env, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "1 passed" in done.stdout
 
 def test_readme_says_how_to_install_light_and_how_long_tests_take():
     install = README.split("## Install", 1)[1].split("\n## ", 1)[0]
