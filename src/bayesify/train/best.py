@@ -94,6 +94,23 @@ def clearly_worse(start: dict[str, float], metrics: dict[str, Any], *,
     return worse
 
 
+def kept_accuracy(record: dict[str, Any], start: dict[str, float] | None) -> str | None:
+    """Where a fit measured its predictive against the starting network and it kept the
+    start's accuracy: what was measured, as a phrase; else ``None``. With validation
+    (``start``: the start's validation metrics) the last state is not :func:`clearly_worse`;
+    without it, its accuracy on the start guard's training examples
+    (:mod:`bayesify.train.start_guard`) is within :data:`ACCURACY_MARGIN` of the start's."""
+    acc = record.get("val_accuracy")
+    if start is not None and acc is not None and "accuracy" in start:
+        if clearly_worse(start, record):
+            return None
+        return f"validation accuracy {acc:.4f} against {start['accuracy']:.4f}"
+    end, begin = record.get("end_train_accuracy"), record.get("start_train_accuracy")
+    if end is not None and begin is not None and end >= begin - ACCURACY_MARGIN:
+        return f"{end:.4f} on training examples against {begin:.4f}"
+    return None
+
+
 def infeasible(record: dict[str, Any]) -> list[str]:
     """The last state's searched clean validation NLL is above the start's at its best
     temperature by more than the search's tolerance

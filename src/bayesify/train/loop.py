@@ -46,7 +46,7 @@ from bayesify.kit import laplace_heads
 from bayesify.progress import progress_bar
 from bayesify.train import evaluate as evaluation
 from bayesify.train import resume as ckpt
-from bayesify.train.best import BestState, adopt_search, clearly_worse
+from bayesify.train.best import BestState, adopt_search, clearly_worse, kept_accuracy
 from bayesify.train.budget import (  # noqa: F401 - re-exported
     DEFAULT_FORWARDS,
     DEFAULT_MIN_STEPS,
@@ -351,7 +351,9 @@ def fit(
             for hook in hooks:
                 hook.on_epoch_end(state, record)
         bnn.eval()
-        watch.finish(state, method.name)  # about the trajectory, before a state is restored
+        # about the trajectory, before a state is restored
+        watch.finish(state, method.name,
+                     predictive=kept_accuracy(state.history[-1], start) if state.history else None)
         if start is not None and state.history and ended:
             state.history[0].update({f"start_val_{k}": v for k, v in start.items()})
             # never worse than the start
