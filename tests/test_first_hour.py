@@ -336,6 +336,52 @@ def test_a_family_knob_at_its_narrow_end_is_logged_when_laplace_heads_follow(cap
         assert any(name == "heads_prior_precision" for name, _ in seen) == heads, seen
 
 
+def test_the_heads_narrow_end_is_logged_where_the_family_kept_its_spread(caplog, monkeypatch):
+    """The heads' τ at its narrow end (10⁴: the heads add nothing) is warned about only where
+    the family's own search left no spread either (a multiplier at 0: the predictive is the
+    mean network's); where the family kept one it is logged — five families on the stress
+    matrix's token transformer were told to "train longer … or use another family" after
+    fits within every bar. fit tells the search which case it is."""
+    from bayesify.kit import laplace_heads
+
+    bnn = bayesify(model(), "ibnn", components=2)
+    knob = bnn.method.knobs(bnn)[0]
+    assert tuning._no_spread(knob, 0.0) and not tuning._no_spread(knob, 1.0)
+    ensemble = bayesify(model(), "ensemble", components=2).method
+    member_t = ensemble.knobs(bayesify(model(), "ensemble", components=2))[0]
+    assert not tuning._no_spread(member_t, 1.0)  # the members as trained differ
+    values = list(knob.grid)
+    narrowest = values.index(min(values))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with caplog.at_level(logging.INFO, logger="bayesify.train.tuning"):
+            tuning._warn_at_edge(bnn, knob, values, narrowest, family_spread=True)
+    assert "the predictive is the family's own" in caplog.text
+    with pytest.warns(UserWarning, match="narrowest end"):
+        tuning._warn_at_edge(bnn, knob, values, narrowest, family_spread=False)
+
+    seen: list[tuple[str, float, bool]] = []
+    edge = tuning._warn_at_edge
+
+    def spy(bnn, knob, values, index, **kwargs):
+        seen.append((knob.name, values[index], kwargs.get("family_spread", False)))
+        return edge(bnn, knob, values, index, **kwargs)
+
+    monkeypatch.setattr(tuning, "_warn_at_edge", spy)
+    monkeypatch.setenv("BAYESIFY_MIN_STEPS", "4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(bnn, loader(), val_loader=loader(seed=1), progress=False)
+    family = None
+    for name, value, spread in seen:  # each heads search follows its family's search
+        if name == laplace_heads.KNOB_NAME:
+            assert family is not None and spread == (family != 0.0), seen
+        else:
+            assert not spread, seen
+            family = value
+    assert any(name == laplace_heads.KNOB_NAME for name, _, _ in seen), seen
+
+
 @pytest.mark.slow
 def test_the_demo_with_defaults_shows_no_warning(tmp_path):
     """The first screen a user sees: ``bayesify demo`` with every default prints the table

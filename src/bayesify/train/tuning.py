@@ -555,13 +555,18 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
             record["temperature_on_grid"] = chosen_t  # every search's: the heads' after the family's
             if temperature and REFINE and walk.chosen_feasibly(v, t):
                 chosen_t = refined_temperature(clean[v], columns, t, floor=floor)
+            heads_knob = knob is not None and knob.name == laplace_heads.KNOB_NAME
+            if start is not None and not heads_knob:  # the family's search: its spread
+                start.setdefault("family_flat", []).append(_no_spread(knob, values[v]))
             if knob is not None:
                 knob.set(values[v])
                 curves = _curves(knob, values, v, columns[t], clean, shifted)
                 record.update(curves)
                 _warn_at_edge(bnn, knob, values, v,
                               shift_nll=curves.get(f"{knob.name}_shift_nll"),
-                              heads_follow=heads_follow and knob.name != laplace_heads.KNOB_NAME)
+                              heads_follow=heads_follow and not heads_knob,
+                              family_spread=heads_knob and start is not None
+                              and "family_flat" in start and not any(start["family_flat"]))
                 logger.info("%s: %s = %.3g, temperature %.3g chosen on validation (%s)",
                             bnn.method_name, knob.name, values[v], chosen_t, knob.meaning)
                 if knob.settle is not None:
@@ -852,15 +857,36 @@ def _flat_at_edge(values: list[float], index: int,
     return near if flat else None
 
 
+def _no_spread(knob: Knob | None, value: float) -> bool:
+    """Whether a family's knob at ``value`` leaves each posterior component one network: at
+    its ``one_sample_at`` (a spread multiplier's 0); for a knob without one and without an
+    initial value (SWAG's scale), at the narrow end of its grid. A knob with an initial
+    value (a member temperature's 1: the members as trained) keeps the members' spread."""
+    if knob is None:
+        return False
+    if knob.one_sample_at is not None:
+        return value == knob.one_sample_at
+    if knob.initial is not None:
+        return False
+    return value == (min(knob.grid) if knob.prefer == "largest" else max(knob.grid))
+
+
 def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: int, *,
                   shift_nll: list[float | None] | None = None,
-                  heads_follow: bool = False) -> None:
+                  heads_follow: bool = False, family_spread: bool = False) -> None:
     """A value at an end of its grid says the grid, not the data, decided — except at the
     broad end of a shifted NLL that had flattened there (``shift_nll``: the per-value
     shifted validation NLL at the chosen temperature, None where unscored;
-    :data:`FLAT_EDGE`), and at the narrow end of a family's knob whose member-wise Laplace
+    :data:`FLAT_EDGE`), at the narrow end of a family's knob whose member-wise Laplace
     heads follow (``heads_follow``: they give the predictive its spread off the data, and
-    "keeps only the spread training gave" is not true), which are logged."""
+    "keeps only the spread training gave" is not true), and at the narrow end of the heads'
+    own τ where the family's search kept a spread (``family_spread``: no family knob at a
+    value where its samples are one network, :func:`_no_spread`; the heads added
+    nothing the validation data rewarded, and the predictive is the family's own as its
+    search chose it — on the stress matrix's token transformer five families were told to
+    "train longer … or use another family" after fits within every bar), which are
+    logged. Where the family's spread is off too, the heads' narrow end is warned about:
+    the predictive is the mean network's."""
     if len(values) < 2:
         return
     ordered = sorted(values)
@@ -872,6 +898,11 @@ def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: in
         logger.info("%s: the validation search chose %s = %g, the narrowest end of its grid; "
                     "the member-wise Laplace heads give the predictive its spread off the data",
                     bnn.method_name, knob.name, value)
+    elif value == narrowest and family_spread:
+        logger.info("%s: the validation search chose %s = %g, the narrowest end of its grid "
+                    "(%s): no broader head did better on validation; the predictive is the "
+                    "family's own, with the spread its search chose", bnn.method_name,
+                    knob.name, value, knob.meaning)
     elif value == narrowest:
         advice = "give fit a shift_loader that shows the shift you expect, or use another family"
         advice = (advice.capitalize() if bnn.method.step().trains_nothing
