@@ -357,14 +357,15 @@ def test_the_heads_narrow_end_is_logged_where_the_family_kept_its_spread(caplog,
         with caplog.at_level(logging.INFO, logger="bayesify.train.tuning"):
             tuning._warn_at_edge(bnn, knob, values, narrowest, family_spread=True)
     assert "the predictive is the family's own" in caplog.text
-    with pytest.warns(UserWarning, match="narrowest end"):
+    with pytest.warns(UserWarning, match="no spread either: the predictive is the posterior's "
+                      "mean network"):
         tuning._warn_at_edge(bnn, knob, values, narrowest, family_spread=False)
 
-    seen: list[tuple[str, float, bool]] = []
+    seen: list[tuple[str, float, bool | None]] = []
     edge = tuning._warn_at_edge
 
     def spy(bnn, knob, values, index, **kwargs):
-        seen.append((knob.name, values[index], kwargs.get("family_spread", False)))
+        seen.append((knob.name, values[index], kwargs.get("family_spread")))
         return edge(bnn, knob, values, index, **kwargs)
 
     monkeypatch.setattr(tuning, "_warn_at_edge", spy)
@@ -377,7 +378,7 @@ def test_the_heads_narrow_end_is_logged_where_the_family_kept_its_spread(caplog,
         if name == laplace_heads.KNOB_NAME:
             assert family is not None and spread == (family != 0.0), seen
         else:
-            assert not spread, seen
+            assert spread is None, seen
             family = value
     assert any(name == laplace_heads.KNOB_NAME for name, _, _ in seen), seen
 

@@ -565,8 +565,9 @@ def search_knobs(bnn: BayesianModel, knobs: list[Knob], batches: Batches, ctx: D
                 _warn_at_edge(bnn, knob, values, v,
                               shift_nll=curves.get(f"{knob.name}_shift_nll"),
                               heads_follow=heads_follow and not heads_knob,
-                              family_spread=heads_knob and start is not None
-                              and "family_flat" in start and not any(start["family_flat"]))
+                              family_spread=(not any(start["family_flat"]) if heads_knob
+                                             and start is not None and "family_flat" in start
+                                             else None))
                 logger.info("%s: %s = %.3g, temperature %.3g chosen on validation (%s)",
                             bnn.method_name, knob.name, values[v], chosen_t, knob.meaning)
                 if knob.settle is not None:
@@ -873,7 +874,7 @@ def _no_spread(knob: Knob | None, value: float) -> bool:
 
 def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: int, *,
                   shift_nll: list[float | None] | None = None,
-                  heads_follow: bool = False, family_spread: bool = False) -> None:
+                  heads_follow: bool = False, family_spread: bool | None = None) -> None:
     """A value at an end of its grid says the grid, not the data, decided — except at the
     broad end of a shifted NLL that had flattened there (``shift_nll``: the per-value
     shifted validation NLL at the chosen temperature, None where unscored;
@@ -885,8 +886,9 @@ def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: in
     nothing the validation data rewarded, and the predictive is the family's own as its
     search chose it — on the stress matrix's token transformer five families were told to
     "train longer … or use another family" after fits within every bar), which are
-    logged. Where the family's spread is off too, the heads' narrow end is warned about:
-    the predictive is the mean network's."""
+    logged. Where the family's spread is off too (``family_spread=False``), the heads'
+    narrow end is warned about, saying so: the predictive is the posterior's mean network's
+    (``None``: not the heads' knob, or no family search before it)."""
     if len(values) < 2:
         return
     ordered = sorted(values)
@@ -907,12 +909,14 @@ def _warn_at_edge(bnn: BayesianModel, knob: Knob, values: list[float], index: in
         advice = "give fit a shift_loader that shows the shift you expect, or use another family"
         advice = (advice.capitalize() if bnn.method.step().trains_nothing
                   else f"Train longer (more epochs), {advice}")
+        keeps = ("and the family's own search chose no spread either: the predictive is the "
+                 "posterior's mean network, tempered" if family_spread is False
+                 else "so the predictive keeps only the spread training gave the posterior")
         warnings.warn(
             f"{bnn.method_name}: the validation search chose {knob.name} = {value:g}, the "
             f"narrowest end of its grid ({knob.meaning}): no broader value did as well on "
             f"validation (clean NLL within {CLEAN_TOLERANCE:g} nats of the calibrated start's, "
-            "then the lowest NLL under the search's shifts), so the predictive keeps only the "
-            f"spread training gave the posterior. {advice}", stacklevel=3)
+            f"then the lowest NLL under the search's shifts), {keeps}. {advice}", stacklevel=3)
     elif flat_near is not None:
         logger.info("%s: the validation search chose %s = %g, the broadest end of its grid; "
                     "the NLL under the search's shifts had flattened there (%.4g against %.4g "
