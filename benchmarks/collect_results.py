@@ -32,6 +32,13 @@ class Part:
 CAPABILITIES: list[tuple[str, str, list[Part]]] = [
     ("The first hour", ("What a newcomer waits for: the demo, the README's first example, the "
      "tests."), [
+        Part("session29.md", "Three messages a user of the defaults should not get: a training "
+             "NLL far above the start's where the predictive kept its accuracy, the heads' τ "
+             "at its narrow end, pytest without pytest-xdist",
+             "BAYESIFY_STRESS_SEED=1 pytest -m slow -n 0 tests/test_stress_pretrained.py::"
+             "test_every_family_with_defaults_on_every_trap -k 'logits_x20 and (ibnn or epinet "
+             "or abnn)' --log-cli-level=INFO; the tables as in the stress part",
+             section="## 1. Messages"),
         Part("session28.md", "The tests on one worker process per core (pytest-xdist): 10 min "
              "50 s instead of 20 min 32 s on two cores",
              "time pytest -q; time pytest -q -n 0 --durations=0; time bash .ci/run",
@@ -64,6 +71,14 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session29.md", "The stress matrix without validation at seeds 1 and 2 (187 cells); "
+             "held-out architectures at seed 1",
+             "BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 BAYESIFY_STRESS_TABLE=F pytest -m slow "
+             "-n 2 --dist load tests/test_stress_pretrained.py::"
+             "test_every_family_with_defaults_on_every_trap -k 'False and (...)'; "
+             "python benchmarks/held_out_nets.py {resnet18,vit} 1 F; "
+             "python benchmarks/stress_table.py F",
+             section="## 2. The stress matrix"),
         Part("session28.md", "The stress matrix at this code: seed 1 group A and seed 2 group B "
              "with validation",
              "BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 BAYESIFY_STRESS_TABLE=F pytest -m slow "
