@@ -72,8 +72,10 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
         Part("session30.md", "Held-out ResNet-18 and ViT at seed 2 (24 cells, no miss); SWAG's "
-             "stress column at seeds 0, 1 and 2, with and without validation (66 cells, no miss)",
+             "stress column at seeds 0, 1 and 2, with and without validation (66 cells, no miss); "
+             "EfficientNet-B0 at seed 1",
              "OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py {resnet18,vit} 2 F; "
+             "python benchmarks/held_out_nets.py effb0 1 F; "
              "BAYESIFY_STRESS_SEED=S BAYESIFY_STRESS_TEST=1 BAYESIFY_STRESS_TABLE=F pytest -m slow "
              "-n 2 --dist load tests/test_stress_pretrained.py::"
              "test_every_family_with_defaults_on_every_trap -k swag; "
