@@ -45,6 +45,12 @@ LAPLACE_HEADS_HELP = (
     "loop, tune(bnn, val_loader, train_loader=...) fits them.")
 
 
+#: ``bnn.runtime`` key: the family's member-wise Laplace heads are on by its default (not
+#: asked for), so ``fit`` turns them off, with a warning, for a model whose classifier cannot
+#: carry them (:func:`bayesify.kit.laplace_heads.settle`)
+HEADS_BY_DEFAULT = "laplace_heads_by_default"
+
+
 def laplace_heads_on() -> Any:
     """The ``laplace_heads`` field of a family that has the heads on by default: their
     spread grows off the data, which the families' own does not (benchmarks/RESULTS.md,

@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 from typing import Any
 
 from torch import nn
 
-from bayesify.core.config import MethodConfig
+from bayesify.core.config import HEADS_BY_DEFAULT, MethodConfig
 from bayesify.core.context import SamplingContext
 from bayesify.core.digests import architecture_record, tensor_digests
 from bayesify.core.model import BayesianModel
 from bayesify.core.outputs import OutputFn, install_output_fn, resolve_output_fn
 from bayesify.core.registry import get_method_class
-from bayesify.core.walker import bypass_fused_paths, plan_targets, replace_modules
+from bayesify.core.walker import (
+    bypass_fused_paths,
+    find_classifier,
+    plan_targets,
+    replace_modules,
+)
 from bayesify.errors import BayesifyError
+
+logger = logging.getLogger(__name__)
 
 
 def bayesify(
@@ -48,6 +57,7 @@ def bayesify(
         )
     resolve_output_fn(output_fn)  # a bad output_fn is refused before anything changes
     method_cls = get_method_class(method)
+    heads_by_default = config is None and "laplace_heads" not in options
     if config is None:
         config = method_cls.config_cls.from_kwargs(method, options)
     elif options:
@@ -66,8 +76,12 @@ def bayesify(
             f"members are not a Linear classifier on features the heads could read "
             f"({unsupported}). Use it without laplace_heads, or a "
             "family that has them (every family but laplace, which is one)")
+    config, heads_off = _heads_need_a_classifier(model, method, config,
+                                                 by_default=heads_by_default)
     family = method_cls(config)
     plan = plan_targets(model, family)  # validates; raises before any change
+    if heads_off:
+        logger.warning(heads_off)
 
     # every wrapper and extra module is built before the first setattr, so a failed
     # call leaves the caller's model untouched (inplace=True included)
@@ -96,5 +110,27 @@ def bayesify(
     bnn.base_architecture = architecture  # what the base computes (save_posterior records it)
     if freeze_base:
         bnn.set_base_trainable(False)
+    bnn.runtime[HEADS_BY_DEFAULT] = heads_by_default and bool(getattr(config, "laplace_heads",
+                                                                       False))
     family.prepare(bnn)
     return bnn
+
+
+def _heads_need_a_classifier(model: nn.Module, method: str, config: MethodConfig, *,
+                             by_default: bool) -> tuple[MethodConfig, str]:
+    """``config``, without its member-wise Laplace heads where the model has no Linear
+    classifier for them to sit on (a convolutional classifier, as SqueezeNet's), and the
+    sentence that says so: on by the family's default, they are turned off; asked for
+    (``laplace_heads=True`` or a ``config``), that is an error now, not after the fit."""
+    if not getattr(config, "laplace_heads", False) or find_classifier(model) is not None:
+        return config, ""
+    if not by_default:
+        raise BayesifyError(
+            f"laplace_heads=True needs a Linear classifier whose output is the model's "
+            f"logits; {type(model).__name__} has no Linear layer (e.g. a convolutional "
+            f"classifier, as SqueezeNet's). Use bayesify(model, {method!r}, "
+            "laplace_heads=False)")
+    return dataclasses.replace(config, laplace_heads=False), (
+        f"bayesify: {type(model).__name__} has no Linear classifier (e.g. a convolutional "
+        f"one), so {method!r} predicts without its member-wise Laplace heads "
+        "(laplace_heads=False; their spread that grows off the data needs a Linear head)")

@@ -158,13 +158,16 @@ def plan_targets(model: nn.Module, method: Method) -> TargetPlan:
     if config.exclude:
         selected = [n for n in selected if not _matches_any(n, config.exclude)]
     if not selected:
-        supported = ", ".join(t.__name__ for t in method.wrappers)
+        supported = ", ".join(getattr(t, "display_name", t.__name__) for t in method.wrappers)
         common = ", ".join(f"{t}×{c}" for t, c in plan.seen_types.most_common(12))
+        none = ("" if candidates else
+                f"; the model has no layer {method.name!r} can wrap: use another family "
+                "(e.g. 'ibnn' or 'laplace', which wrap Linear and convolution layers)")
         raise BayesifyError(
             f"no layer matched for method {method.name!r} (targets={config.targets!r}, "
             f"include={list(config.include)}, exclude={list(config.exclude)}); "
             f"supported types: {supported}; {len(candidates)} supported layer(s) seen "
-            f"(e.g. {candidates[:5]}); module types seen: {common}"
+            f"(e.g. {candidates[:5]}); module types seen: {common}{none}"
         )
     plan.targets = selected
     aliases = module_aliases(model)
@@ -183,10 +186,17 @@ def _apply_preset(
         return list(candidates)
     if targets == "last_layer":
         head = find_classifier(model)
-        if head is None or head not in candidates:
+        if head is None:
             raise BayesifyError(
-                f"targets='last_layer' but no supported classifier was found "
-                f"(found {head!r}); name it explicitly with targets=[...]"
+                f"targets='last_layer' needs the model's classifier, a Linear layer; "
+                f"{type(model).__name__} has none (e.g. a convolutional classifier, as "
+                f"SqueezeNet's): name a layer {method.name!r} supports with targets=[...], or "
+                "use a family that wraps every layer (e.g. 'ibnn', 'swag')"
+            )
+        if head not in candidates:
+            raise BayesifyError(
+                f"targets='last_layer' but the classifier {head!r} is not a layer "
+                f"{method.name!r} supports; name one explicitly with targets=[...]"
             )
         return [head]
     if isinstance(targets, str) and re.fullmatch(r"(first|last):\d+", targets):

@@ -43,15 +43,19 @@ aleatoric, and the MI's OOD AUROC fell when the heads became broad.)
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from bayesify.core.config import HEADS_BY_DEFAULT
 from bayesify.core.extensions import provide
 from bayesify.core.fitting import FitContext, Knob
 from bayesify.core.locks import model_lock
@@ -130,6 +134,55 @@ def classifier_module(bnn: BayesianModel) -> nn.Module:
         raise BayesifyError("laplace_heads needs a Linear classifier in the model; none found")
     module = bnn.model.get_submodule(base_name(name)) if base_name(name) else bnn.model
     return module
+
+
+@contextlib.contextmanager
+def watching_classifier(bnn: BayesianModel) -> Iterator[list[Any]]:
+    """While open, the outputs of the classifier the heads would sit on (empty where the
+    heads are off or the model has no Linear): read by :func:`settle` after a forward."""
+    seen: list[Any] = []
+    name = find_classifier(bnn.model) if enabled(bnn) else None
+    if name is None:
+        yield seen
+        return
+    handle = classifier_module(bnn).register_forward_hook(
+        lambda _module, _inputs, output: seen.append(output))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def settle(bnn: BayesianModel, seen: list[Any], logits: torch.Tensor) -> None:
+    """Before a fit's first step (``fit`` calls it on the first batch, the model's mean
+    network in eval mode): the heads need the classifier :func:`find_classifier` names to
+    give the model's logits (``seen``: its outputs in that forward, :func:`watching_classifier`).
+    A model whose last Linear is elsewhere (a convolutional classifier after a trunk with
+    Linear layers, a head followed by more computation) would fail only after the whole
+    fit: heads on by the family's default are turned off here with a warning; asked for
+    (``laplace_heads=True``), it is an error before anything has trained."""
+    if not enabled(bnn):
+        return
+    name = find_classifier(bnn.model)
+    got = seen[-1] if seen else None
+    if isinstance(got, torch.Tensor) and got.shape == logits.shape and torch.allclose(
+            got.float(), logits.float(), atol=1e-4, rtol=1e-4):
+        return
+    what = ("did not run in the model's forward" if got is None else
+            f"gives {tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}"
+            f"{' of other values' if isinstance(got, torch.Tensor) and got.shape == logits.shape else ''}"
+            f", not the model's logits {tuple(logits.shape)}")
+    reason = (f"the layer they would sit on, the model's last Linear {base_name(name or '')!r}, "
+              f"{what}")
+    if bnn.runtime.get(HEADS_BY_DEFAULT):
+        bnn.method.config = dataclasses.replace(bnn.method.config, laplace_heads=False)
+        bnn.runtime[HEADS_BY_DEFAULT] = False
+        logger.warning("fit: %r predicts without its member-wise Laplace heads "
+                       "(laplace_heads=False): %s", bnn.method_name, reason)
+        return
+    raise BayesifyError(
+        f"laplace_heads=True needs a Linear classifier whose output is the model's logits; "
+        f"{reason}. Use bayesify(model, {bnn.method_name!r}, laplace_heads=False)")
 
 
 def trunk_names(bnn: BayesianModel) -> list[str]:

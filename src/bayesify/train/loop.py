@@ -639,19 +639,22 @@ def _epoch_record(state: TrainContext, totals: dict[str, float], beta: float, *,
 
 @torch.no_grad()
 def _num_classes(bnn: BayesianModel, batch: Any) -> int:
-    """Classes of the model's output, from one row of a batch in eval mode."""
+    """Classes of the model's output, from the first rows of a batch in eval mode (and
+    whether the Laplace heads' classifier gives that output: :func:`laplace_heads.settle`)."""
     was_training = bnn.training
     bnn.eval()
     try:
         with bnn.deterministic():
             inputs = batch.rows(slice(0, 4)).model_input()
             try:
-                logits = logits_of(call_model(bnn.model, inputs))
+                with laplace_heads.watching_classifier(bnn) as seen:
+                    logits = logits_of(call_model(bnn.model, inputs))
             except Exception:  # a shape mistake is named with the layer and the user's shape
                 explain_shapes(bnn.model, lambda: call_model(bnn.model, inputs),
                                inputs=batch.model_input(), where="fit")
                 raise
             check_not_probabilities(logits, where="fit")
+            laplace_heads.settle(bnn, seen, logits)  # the heads' classifier gives the logits
             return int(logits.shape[-1])
     finally:
         bnn.train(was_training)

@@ -103,6 +103,9 @@ class PlainNorm(metaclass=_NormProbe):
     """Wrapper-table key: a BatchNorm / LayerNorm / GroupNorm that computes the plain
     normalisation (``isinstance`` runs :func:`norm_axis`)."""
 
+    #: how errors name the layers this key matches
+    display_name = "BatchNorm / LayerNorm / GroupNorm (the plain normalisation)"
+
 
 class BayesNormLayer(BayesianLayer):
     """Wraps a normalisation layer; ``member_weight, member_bias [K, C]`` are the members' γ, β."""
