@@ -11,10 +11,18 @@ thread; validation 300, test 400 images of the same distribution):
 * ``convnext`` — torchvision's ConvNeXt as ``tests/stress_nets.py::convnext`` (now also in
   the stress matrix);
 * ``effb0`` — torchvision's EfficientNet-B0 (squeeze-excitation, SiLU, BatchNorm,
-  stochastic depth 0.2, dropout 0.2 before the head).
+  stochastic depth 0.2, dropout 0.2 before the head);
+* kinds no stress network has (thirty-first stop): ``gn_resnet`` (GroupNorm, no BatchNorm),
+  ``frozen_bn_resnet`` (torchvision's FrozenBatchNorm2d, detection-style), ``squeezenet``
+  (a 1×1-convolution classifier: no Linear at all), ``googlenet`` (auxiliary classifiers,
+  a tuple output in train mode), ``densenet`` (concatenated features), ``gru_text``
+  (a bidirectional GRU on tokens), ``conv1d`` (1-D convolutions, BatchNorm1d, a head
+  without bias), ``tied`` (one Linear applied twice, SELU, AlphaDropout), ``swin`` (timm's
+  Swin: shifted windows, relative position bias).
 
     OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py vit 0 cells.jsonl [family,family]
     NOVAL=1 ...   # also every family without val_loader
+    EPOCHS=1 ...  # one epoch each: a crash hunt
     python benchmarks/stress_table.py cells.jsonl
 """
 
@@ -27,10 +35,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from stress_nets import _train, convnext, image_loaders, rgb_digits
+from stress_nets import _train, convnext, digits_tensors, image_loaders, rgb_digits, token_tensors
 from test_defaults import base_metrics, bnn_metrics
 from test_stress_pretrained import calibrated_nll, finite_posterior, held_out_reference
 
@@ -68,14 +79,189 @@ def effb0(seed: int):
     return image_loaders(model, *d, seed=seed, batchnorm=True)
 
 
+def _train_any(model, x, y, *, steps, lr, weight_decay, batch=32, seed=0):
+    """``stress_nets._train`` for a model whose train-mode output may be ``(logits, aux…)``
+    (GoogLeNet with auxiliary classifiers: their losses weigh 0.3, as in its paper)."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    model.train()
+    for _ in range(steps):
+        idx = torch.randint(0, len(y), (batch,), generator=gen)
+        out = model(x[idx])
+        outs = list(out) if isinstance(out, tuple) else [out]
+        loss = sum(F.cross_entropy(o, y[idx]) * (1.0 if i == 0 else 0.3)
+                   for i, o in enumerate(outs) if o is not None)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def gn_resnet(seed):
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(seed)
+    d = rgb_digits(seed=seed, test=True)
+    model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10, norm_layer=lambda c: nn.GroupNorm(8, c))
+    _train_any(model, d[0], d[1], steps=300, lr=1e-3, weight_decay=0.01, seed=seed)
+    return image_loaders(model, *d, seed=seed)
+
+
+def frozen_bn_resnet(seed):
+    from torchvision.models.resnet import BasicBlock, ResNet
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    torch.manual_seed(seed)
+    d = rgb_digits(seed=seed, test=True)
+    model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10)
+    _train_any(model, d[0], d[1], steps=300, lr=1e-3, weight_decay=0.01, seed=seed)
+    from torch.optim.swa_utils import update_bn
+    update_bn(DataLoader(TensorDataset(d[0]), batch_size=50), model)
+    # detectron-style: BatchNorm frozen into buffers
+    def freeze(module):
+        for name, child in module.named_children():
+            if isinstance(child, nn.BatchNorm2d):
+                f = FrozenBatchNorm2d(child.num_features, eps=child.eps)
+                f.weight.copy_(child.weight.detach()); f.bias.copy_(child.bias.detach())
+                f.running_mean.copy_(child.running_mean); f.running_var.copy_(child.running_var)
+                setattr(module, name, f)
+            else:
+                freeze(child)
+    freeze(model)
+    return image_loaders(model, *d, seed=seed)
+
+
+def squeezenet(seed):
+    import torchvision
+
+    torch.manual_seed(seed)
+    d = rgb_digits(seed=seed, size=48, test=True)
+    model = torchvision.models.squeezenet1_1(num_classes=10)
+    _train_any(model, d[0], d[1], steps=500, lr=1e-3, weight_decay=0.01, seed=seed)
+    return image_loaders(model, *d, seed=seed)
+
+
+def googlenet(seed):
+    import torchvision
+
+    torch.manual_seed(seed)
+    d = rgb_digits(seed=seed, size=48, test=True)
+    model = torchvision.models.googlenet(num_classes=10, aux_logits=True, init_weights=True,
+                                         transform_input=False)
+    _train_any(model, d[0], d[1], steps=300, lr=1e-3, weight_decay=0.01, seed=seed)
+    return image_loaders(model, *d, seed=seed, batchnorm=False)
+
+
+def densenet(seed):
+    from torchvision.models.densenet import DenseNet
+
+    torch.manual_seed(seed)
+    d = rgb_digits(seed=seed, test=True)
+    model = DenseNet(growth_rate=12, block_config=(3, 3), num_init_features=24, bn_size=4,
+                     num_classes=10)
+    _train_any(model, d[0], d[1], steps=400, lr=2e-3, weight_decay=0.01, seed=seed)
+    return image_loaders(model, *d, seed=seed, batchnorm=True)
+
+
+class GRUText(nn.Module):
+    def __init__(self, vocab=32, dim=32, num_classes=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.gru = nn.GRU(dim, dim, batch_first=True, bidirectional=True)
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(2 * dim, num_classes)
+
+    def forward(self, tokens):
+        h, _ = self.gru(self.embed(tokens))
+        return self.head(self.drop(h.mean(1)))
+
+
+def gru_text(seed):
+    torch.manual_seed(seed)
+    x, y = token_tensors(400, seed=seed)
+    xv, yv = token_tensors(300, seed=seed + 1)
+    xt, yt = token_tensors(400, seed=seed + 2)
+    model = GRUText()
+    _train_any(model, x, y, steps=300, lr=3e-3, weight_decay=0.01, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    return (model, DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=gen),
+            DataLoader(TensorDataset(xv, yv), batch_size=100),
+            DataLoader(TensorDataset(xt, yt), batch_size=100))
+
+
+class Conv1dNet(nn.Module):
+    """1-D convolutions with BatchNorm1d over a 64-step signal; bias-free head."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv1d(1, 16, 5, padding=2), nn.BatchNorm1d(16), nn.ReLU(),
+            nn.Conv1d(16, 32, 5, padding=2, stride=2), nn.BatchNorm1d(32), nn.ReLU(),
+            nn.Conv1d(32, 32, 3, padding=1, groups=4), nn.BatchNorm1d(32), nn.ReLU(),
+            nn.AdaptiveAvgPool1d(1), nn.Flatten())
+        self.head = nn.Linear(32, 10, bias=False)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def conv1d(seed):
+    torch.manual_seed(seed)
+    x, y, xv, yv, xt, yt = digits_tensors(size=8, n_train=600, seed=seed, n_test=400)
+    flat = lambda t: t.reshape(len(t), 1, 64)
+    model = Conv1dNet()
+    _train_any(model, flat(x), y, steps=400, lr=3e-3, weight_decay=0.01, seed=seed)
+    return image_loaders(model, flat(x), y, flat(xv), yv, flat(xt), yt, seed=seed, batchnorm=True)
+
+
+class TiedMLP(nn.Module):
+    """One Linear applied twice (a shared module), SELU + AlphaDropout, then the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(256, 64)
+        self.shared = nn.Linear(64, 64)
+        self.drop = nn.AlphaDropout(0.1)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = F.selu(self.inp(x.flatten(1)))
+        h = F.selu(self.shared(h))
+        h = F.selu(self.shared(self.drop(h)))
+        return self.head(h)
+
+
+def tied(seed):
+    torch.manual_seed(seed)
+    x, y, xv, yv, xt, yt = digits_tensors(size=16, n_train=600, seed=seed, n_test=400)
+    model = TiedMLP()
+    _train_any(model, x, y, steps=400, lr=2e-3, weight_decay=0.01, seed=seed)
+    return image_loaders(model, x, y, xv, yv, xt, yt, seed=seed)
+
+
+def swin(seed):
+    from timm.models.swin_transformer import SwinTransformer
+
+    torch.manual_seed(seed)
+    d = rgb_digits(seed=seed, test=True)
+    model = SwinTransformer(img_size=32, patch_size=2, window_size=4, embed_dim=32,
+                            depths=(2, 2), num_heads=(2, 4), num_classes=10, drop_path_rate=0.1)
+    _train_any(model, d[0], d[1], steps=500, lr=1e-3, weight_decay=0.05, seed=seed)
+    return image_loaders(model, *d, seed=seed)
+
+
 NETS = {"resnet18": resnet18, "vit": vit, "effb0": effb0,
-        "convnext": lambda seed: convnext(seed=seed, test=True)}
+        "convnext": lambda seed: convnext(seed=seed, test=True),
+        **{f.__name__: f for f in (gn_resnet, frozen_bn_resnet, squeezenet, googlenet, densenet,
+                                   gru_text, conv1d, tied, swin)}}
 
 
 def main() -> None:
     net, seed, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     families = sys.argv[4].split(",") if len(sys.argv) > 4 else bayesify.list_methods()
     uses = [True, False] if os.environ.get("NOVAL") else [True]
+    # EPOCHS=1: a crash hunt (every family's code path, one epoch); unset: fit's own budget
+    epochs = int(os.environ["EPOCHS"]) if os.environ.get("EPOCHS") else None
     began = time.perf_counter()
     model, train, val, test = NETS[net](seed)
     reference = held_out_reference(model, val, test)
@@ -89,11 +275,11 @@ def main() -> None:
             train.generator.manual_seed(seed)
             began = time.perf_counter()
             row = {"method": family, "net": net, "val": use_val, "seed": seed, "acc0": acc0,
-                   "nll0": nll0, "nll0_t": nll0_t, "n": n, **reference}
+                   "nll0": nll0, "nll0_t": nll0_t, "n": n, "epochs": epochs, **reference}
             try:
                 bnn = bayesify.bayesify(model, method=family)
                 result = bayesify.fit(bnn, train, val_loader=val if use_val else None,
-                                      progress=False, seed=seed)
+                                      progress=False, seed=seed, epochs=epochs)
                 acc, nll, _ = bnn_metrics(bnn, val)
                 test_acc, test_nll, _ = bnn_metrics(bnn, test)
                 row.update(acc=acc, nll=nll, test_acc=test_acc, test_nll=test_nll,
