@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bayesify.core.names import BASE_LAYER
 from bayesify.errors import BayesifyError
 
 LABEL_KEYS = ("labels", "label")
@@ -122,11 +123,19 @@ class Batch:
         return self.labels
 
 
+#: integer label types taken as class indices and widened to ``int64`` (torch's losses
+#: take only ``long`` targets: int32 labels from NumPy or a dataset crashed the training
+#: step with "expected target dtype to be Long", thirty-first stop)
+_NARROW_INTEGERS = (torch.int8, torch.int16, torch.int32, torch.uint8)
+
+
 def _check_labels(labels: Any) -> torch.Tensor | None:
     if labels is None:
         return None
     if not isinstance(labels, torch.Tensor):
         labels = torch.as_tensor(labels)
+    if labels.dtype in _NARROW_INTEGERS:
+        labels = labels.long()
     return labels
 
 
@@ -320,18 +329,26 @@ def call_model(model: Any, inputs: Any) -> Any:
 
 # -- input dtypes -------------------------------------------------------------------------
 def model_dtype(model: Any) -> torch.dtype | None:
-    """The dtype of the model's first floating parameter (``None``: no such parameter,
-    or not a module)."""
-    parameters = getattr(model, "parameters", None)
-    if not callable(parameters):
+    """The dtype of the model's first floating parameter of the user's network (``None``: no
+    such parameter, or not a module). A wrapper's own posterior parameters (rank-one factors
+    in float32 beside a float64 network's weights) come first in its module but are not what
+    the network computes in; they count only where nothing else is floating."""
+    named = getattr(model, "named_parameters", None)
+    if not callable(named):
         return None
+    wrappers = {name for name, module in model.named_modules() if hasattr(module, BASE_LAYER)}
+    fallback = None
     try:
-        for p in parameters():
-            if p.is_floating_point():
-                return p.dtype
+        for name, p in named():
+            if not p.is_floating_point():
+                continue
+            if name.rpartition(".")[0] in wrappers:  # a posterior parameter of a wrapper
+                fallback = fallback or p.dtype
+                continue
+            return p.dtype
     except TypeError:
         return None
-    return None
+    return fallback
 
 
 def _integer(t: torch.Tensor) -> bool:

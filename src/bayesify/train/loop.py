@@ -213,6 +213,7 @@ def fit(
     answer (default 10 minutes).
     """
     validate_fit_options(**locals())  # every option checked before anything changes
+    _refuse_half_precision(bnn)
     method = bnn.method
     if unknown:
         raise BayesifyError(f"unknown fit option(s) {sorted(unknown)} for method "
@@ -638,6 +639,20 @@ def _epoch_record(state: TrainContext, totals: dict[str, float], beta: float, *,
 
 
 @torch.no_grad()
+def _refuse_half_precision(bnn: BayesianModel) -> None:
+    """A posterior is fitted in float32 (or float64) weights: a network in float16 /
+    bfloat16 failed in the families' first forward with torch's dtype errors (their
+    posteriors built in float32 beside it), or trained σ's whose steps bf16 rounds away."""
+    half = sorted({str(p.dtype).removeprefix("torch.") for p in bnn.parameters()
+                   if p.dtype in (torch.float16, torch.bfloat16)})
+    if half:
+        raise BayesifyError(
+            f"fit: the model has {' and '.join(half)} parameters; a posterior is fitted in "
+            "float32 (or float64) weights, whose small standard deviations half precision "
+            "rounds away. Call bnn.float() (or bayesify(model.float(), ...)) first; "
+            "fit(amp=True) still runs the forward in bfloat16 autocast on a GPU")
+
+
 def _num_classes(bnn: BayesianModel, batch: Any) -> int:
     """Classes of the model's output, from the first rows of a batch in eval mode (and
     whether the Laplace heads' classifier gives that output: :func:`laplace_heads.settle`)."""

@@ -130,9 +130,11 @@ class MNFLayer(BayesianLayer):
     def kl_sample(self, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``z_T ~ q(z_T)`` ``[K, C]`` and ``log q(z_T)`` ``[K]``, with ``log q(z_0)`` replaced by
         its expectation ``−Σ (log σ_z + ½ log 2πe)`` (the closed-form entropy)."""
-        eps = torch.randn((samples, self.z_mean.shape[0]), device=self.z_mean.device)
-        std = self.z_std.float()
-        z, logdet = self.flow(self.z_mean.float() + std * eps)
+        # in the posterior's own dtype (float32, or float64 for a float64 network: the flow's)
+        eps = torch.randn((samples, self.z_mean.shape[0]), device=self.z_mean.device,
+                          dtype=self.z_mean.dtype)
+        std = self.z_std
+        z, logdet = self.flow(self.z_mean + std * eps)
         return z, -(torch.log(std) + _HALF_LOG_2PI_E).sum() - logdet
 
     def kl(self) -> torch.Tensor:
@@ -150,8 +152,8 @@ class MNFLayer(BayesianLayer):
             log_p = (-0.5 * ((z - 1.0) / self.prior_std).pow(2) - math.log(self.prior_std)
                      - 0.5 * math.log(2.0 * math.pi)).sum(-1)
             return (log_q - log_p).mean()
-        w = node_view(self.base_layer.weight.detach().float(), self.groups)
-        sigma = node_view(self.weight_sigma.float(), self.groups)
+        w = node_view(self.base_layer.weight.detach().to(z.dtype), self.groups)
+        sigma = node_view(self.weight_sigma.to(z.dtype), self.groups)
         kl_w = node_prior_kl(w, sigma, z, scale=self.prior_std, jitter=self.prior_weight_std,
                              floor=self.floor)
         if self.inverse.use_nodes:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from bayesify.core.batch import Batch, batch_rows, call_model
+from bayesify.core.batch import Batch, batch_rows, call_model, model_ready
 from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Knob, Step
 from bayesify.core.method import Method
@@ -175,6 +175,7 @@ def _evaluate(bnn: BayesianModel, states: list[dict[str, torch.Tensor]], x: Any,
     ``bnn.runtime``)."""
     model = bnn.model
     args, kwargs = (x.args, x.kwargs) if isinstance(x, Batch) else ((x,), {})
+    args, kwargs = model_ready(model, args, kwargs)  # floating inputs in the network's dtype
     if bnn.runtime.get(_VMAP_OK, vectorize) and len(states) > 1:
         stacked = {k: torch.stack([s[k] for s in states]) for k in states[0]}
         try:
