@@ -187,8 +187,15 @@ def test_wrapper_weight_is_the_mean_or_an_error():
     meanfield = bayesify(model, "meanfield")
     assert meanfield.model[0].in_features == 4
     hyper = bayesify(model, "hypernet")
+    view = hyper.model[0].weight  # no mean weight: the pretrained tensor's description only
+    assert view.dtype == torch.float32 and view.shape == (8, 4) and view.device.type == "cpu"
+    assert view.size(1) == 4 and view.dim() == 2 and view.is_floating_point()
+    with pytest.raises(AttributeError, match=r"HypernetLayer has no single effective 'weight'.*"
+                       r"linear was called on it.*base_layer.weight"):
+        torch.nn.functional.linear(torch.randn(2, 4), view)
     with pytest.raises(AttributeError, match="base_layer.weight"):
-        _ = hyper.model[0].weight
+        _ = view + 1
+    assert hyper.model[0].bias.shape == (8,)
 
 
 def test_family_packages_import_only_core_kit_and_their_own_folder():

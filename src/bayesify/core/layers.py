@@ -20,15 +20,58 @@ SHAPE_ATTRIBUTES = (
 )
 
 
+#: what a :class:`DescriptionOnly` tensor answers: its dtype, device, shape and the like
+_DESCRIBING = frozenset({
+    torch.Tensor.dtype.__get__, torch.Tensor.device.__get__, torch.Tensor.shape.__get__,
+    torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__, torch.Tensor.is_cuda.__get__,
+    torch.Tensor.requires_grad.__get__, torch.Tensor.size, torch.Tensor.dim,
+    torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.element_size,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.__len__,
+    torch.Tensor.__repr__, torch.Tensor.__format__,
+})
+
+
+class DescriptionOnly(torch.Tensor):
+    """``wrapper.weight`` / ``.bias`` of a family without one mean tensor (ensembles, iBNN,
+    rank-1, …): the pretrained tensor's dtype, device and shape, and an ``AttributeError``
+    for any computation with it. Hugging Face's vision models read
+    ``projection.weight.dtype`` in their forward to cast the pixels (ViT, DeiT, CLIP, …):
+    six families failed on them with the bare error (thirty-first stop), while a forward that
+    computed with the pretrained tensor would silently skip the posterior."""
+
+    owner: str = "a Bayesian layer"
+    name: str = "weight"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _DESCRIBING:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        view = next((a for a in args if isinstance(a, DescriptionOnly)), None)
+        owner, name = (view.owner, view.name) if view is not None else (cls.owner, cls.name)
+        raise AttributeError(
+            f"{owner} has no single effective {name!r} to compute with (its posterior has no "
+            f"mean {name}; {getattr(func, '__name__', func)!s} was called on it); the "
+            f"pretrained tensor is .base_layer.{name}")
+
+
+def describe_only(tensor: torch.Tensor, owner: str, name: str) -> DescriptionOnly:
+    """``tensor`` (not copied) as a :class:`DescriptionOnly` view, named for its errors."""
+    view = torch.Tensor._make_subclass(DescriptionOnly, tensor.detach(), False)
+    view.owner, view.name = owner, name
+    return view
+
+
 class BayesianLayer(nn.Module):
     """Wraps ``base_layer``; subclasses add posterior parameters next to it.
 
     The wrapper exposes ``base_layer`` and the shape attributes of the wrapped
     layer (:data:`SHAPE_ATTRIBUTES`: ``in_features``, ``out_channels``,
     ``kernel_size`` …) explicitly. ``weight`` / ``bias`` are the *effective mean*
-    tensors of the posterior (:meth:`mean_weight`) where a family defines one and
-    an ``AttributeError`` otherwise — never the stale pretrained tensor, which is
-    ``layer.base_layer.weight``.
+    tensors of the posterior (:meth:`mean_weight`) where a family defines one, and
+    otherwise a :class:`DescriptionOnly` view of the pretrained tensor (its dtype, device
+    and shape; an ``AttributeError`` for any computation) — never the stale pretrained
+    tensor to compute with, which is ``layer.base_layer.weight``.
     """
 
     def __init__(self, base_layer: nn.Module, context: SamplingContext) -> None:
@@ -47,6 +90,11 @@ class BayesianLayer(nn.Module):
         except AttributeError:
             pass
         if name in ("weight", "bias"):
+            base = getattr(self.base_layer, name, None)
+            if isinstance(base, torch.Tensor):
+                return describe_only(base, type(self).__name__, name)
+            if base is None and hasattr(self.base_layer, name):
+                return None  # a layer without a bias
             raise AttributeError(
                 f"{type(self).__name__} has no single effective {name!r} (its posterior has "
                 f"no mean {name}); the pretrained tensor is .base_layer.{name}"
