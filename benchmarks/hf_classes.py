@@ -1,0 +1,104 @@
+"""Every family on tiny random-initialised Hugging Face model classes, one epoch with
+validation: a crash hunt (thirty-first stop, ``benchmarks/results/session31.md``).
+
+    OMP_NUM_THREADS=1 python benchmarks/hf_classes.py gpt2,distilbert,hf_vit,hf_resnet
+
+Each model is first trained here for 150 steps on generated data (tokens whose first
+position carries the label; images whose first channel is shifted by it), then bayesified
+with every family's defaults. One line per family: ``OK`` with the evaluation, or ``ERR``
+with the exception.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+
+import torch
+import transformers as T
+from torch.utils.data import DataLoader, Dataset
+
+import bayesify
+
+warnings.simplefilter("ignore")
+T.logging.set_verbosity_error()
+
+class TokDS(Dataset):
+    def __init__(self, n, seed, vocab=100, L=12, pad=0):
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+        self.ids = torch.randint(5, vocab, (n, L), generator=g)
+        self.ids[:, 0] = self.y + 1  # the label token
+        lens = torch.randint(6, L + 1, (n,), generator=g)
+        self.mask = (torch.arange(L)[None] < lens[:, None]).long()
+        self.ids = torch.where(self.mask.bool(), self.ids, torch.full_like(self.ids, pad))
+    def __len__(self): return len(self.y)
+    def __getitem__(self, i): return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.y[i]}
+
+class ImgDS(Dataset):
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+        self.x = torch.randn(n, 3, 32, 32, generator=g) * 0.5
+        self.x[:, 0] += self.y[:, None, None].float()
+    def __len__(self): return len(self.y)
+    def __getitem__(self, i): return {"pixel_values": self.x[i], "labels": self.y[i]}
+
+def pretrain(model, ds, steps=150):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    dl = DataLoader(ds, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
+    it = iter(dl)
+    for _ in range(steps):
+        try: b = next(it)
+        except StopIteration: it = iter(dl); b = next(it)
+        loss = model(**b).loss; opt.zero_grad(); loss.backward(); opt.step()
+    model.eval(); return model
+
+def build(name):
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = T.GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2, num_labels=3, pad_token_id=0)
+        return T.GPT2ForSequenceClassification(cfg), TokDS
+    if name == "distilbert":
+        cfg = T.DistilBertConfig(vocab_size=100, max_position_embeddings=16, dim=32, n_layers=2, n_heads=2, hidden_dim=64, num_labels=3)
+        return T.DistilBertForSequenceClassification(cfg), TokDS
+    if name == "hf_vit":
+        cfg = T.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=3)
+        return T.ViTForImageClassification(cfg), ImgDS
+    if name == "hf_resnet":
+        cfg = T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=3)
+        return T.ResNetForImageClassification(cfg), ImgDS
+
+@torch.no_grad()
+def _accuracy(bnn, loader) -> float:
+    right = total = 0
+    for batch in loader:
+        labels = batch.pop("labels")
+        probs = bnn.predictor()(batch).probs
+        right += int((probs.argmax(-1) == labels).sum())
+        total += len(labels)
+    return right / total
+
+
+def main() -> None:
+    for name in sys.argv[1].split(","):
+        model, data = build(name)
+        model = pretrain(model, data(200, 0))
+        train = DataLoader(data(200, 0), batch_size=16)
+        val = DataLoader(data(120, 1), batch_size=40)
+        for family in bayesify.list_methods():
+            began = time.time()
+            try:
+                bnn = bayesify.bayesify(model, family)
+                bayesify.fit(bnn, train, val_loader=val, epochs=1, progress=False)
+                print("OK ", name, family, f"val accuracy {_accuracy(bnn, val):.3f}",
+                      f"{time.time() - began:.1f} s", flush=True)
+            except Exception as err:  # noqa: BLE001 - a line says what failed
+                print("ERR", name, family, type(err).__name__,
+                      str(err)[:300].replace("\n", " "), flush=True)
+
+
+if __name__ == "__main__":
+    main()
