@@ -71,6 +71,15 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session31.md", "A crash hunt on nine architectures no stress network has, Hugging "
+             "Face model classes and dtypes: four faults fixed (Laplace heads on a network whose "
+             "last layer is not a Linear classifier, int32 labels, float64 and bfloat16 networks, "
+             "HF ViT's weight.dtype); held-out ResNet-18 at seed 0",
+             "EPOCHS=1 OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py NET 0 F (NET: gn_resnet "
+             "frozen_bn_resnet squeezenet googlenet densenet gru_text conv1d tied swin); "
+             "python benchmarks/held_out_nets.py {gru_text,conv1d,tied,resnet18,vit} 0 F; "
+             "python benchmarks/hf_classes.py gpt2,distilbert,hf_vit,hf_resnet; the text is written "
+             "by hand"),
         Part("session30.md", "Held-out ResNet-18 and ViT at seed 2 (24 cells, no miss); SWAG's "
              "stress column at seeds 0, 1 and 2, with and without validation (66 cells, no miss); "
              "EfficientNet-B0 at seed 1",

@@ -333,21 +333,18 @@ def model_dtype(model: Any) -> torch.dtype | None:
     such parameter, or not a module). A wrapper's own posterior parameters (rank-one factors
     in float32 beside a float64 network's weights) come first in its module but are not what
     the network computes in; they count only where nothing else is floating."""
-    named = getattr(model, "named_parameters", None)
-    if not callable(named):
+    if not isinstance(model, nn.Module):
         return None
-    wrappers = {name for name, module in model.named_modules() if hasattr(module, BASE_LAYER)}
     fallback = None
-    try:
-        for name, p in named():
+    for module in model.modules():  # pre-order: a wrapper, then its base layer
+        wrapper = hasattr(module, BASE_LAYER)  # its own parameters are the posterior's
+        for p in module.parameters(recurse=False):
             if not p.is_floating_point():
                 continue
-            if name.rpartition(".")[0] in wrappers:  # a posterior parameter of a wrapper
+            if wrapper:
                 fallback = fallback or p.dtype
                 continue
-            return p.dtype
-    except TypeError:
-        return None
+            return p.dtype  # called on every forward: the first one ends the walk
     return fallback
 
 
