@@ -85,3 +85,19 @@ def test_a_half_precision_network_is_refused_before_anything_changes(dtype) -> N
         assert torch.equal(v, before[k]), k
     fit(bnn.float(), _loader(x.to(dtype), y), epochs=1, progress=False)
     assert torch.isfinite(bnn.predictor()(x[:4]).probs).all()
+
+
+def test_the_heads_feature_posterior_of_a_half_precision_model_is_computed_wide() -> None:
+    """A posterior moved with ``bnn.to(torch.bfloat16)`` carries the feature layers' sums in
+    bf16: their eigendecomposition (no half kernel) runs in float64 on those values."""
+    from bayesify.kit import feature_layers as trunk
+
+    g = torch.Generator().manual_seed(0)
+    psi = torch.randn(40, 5, generator=g, dtype=torch.float64)
+    sums = (psi.sum(0), psi.T @ psi, torch.tensor(3.0, dtype=torch.float64),
+            torch.tensor(40.0, dtype=torch.float64))
+    half = tuple(t.to(torch.bfloat16) for t in sums)
+    wide = trunk.TrunkPosterior(tuple(trunk.wide(t) for t in half), [2, 3], 10.0)
+    exact = trunk.TrunkPosterior(tuple(t.double() for t in half), [2, 3], 10.0)
+    torch.testing.assert_close(wide.variance(psi[:4], 1.0), exact.variance(psi[:4], 1.0))
+    assert trunk.wide(sums[0]) is sums[0]  # float64 and float32 stay as they are

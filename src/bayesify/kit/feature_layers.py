@@ -69,6 +69,12 @@ def width(module: nn.Module) -> int | None:
     return None
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64 where it is in half precision (a posterior moved with
+    ``bnn.to(torch.bfloat16)``): the curvature's eigendecomposition has no half kernels."""
+    return t.double() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
 def auto_layers(model: nn.Module, classifier: str) -> list[str]:
     """Up to :data:`AUTO_LAYERS` normalisation layers outside the classifier, evenly spaced
     over the network's normalisation layers in module order (first and last included), their

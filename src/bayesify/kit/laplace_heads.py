@@ -523,7 +523,9 @@ class HeadsPosterior:
     CHUNK = 2**24
 
     def __init__(self, bnn: BayesianModel) -> None:
-        buffers = dict(bnn.state.named_buffers())
+        # a model moved to half precision (bnn.to(torch.bfloat16)) carries its factors in it:
+        # eigh has no half kernels, and the factors' spectrum needs the range
+        buffers = {k: trunk.wide(v) for k, v in bnn.state.named_buffers()}
         self.full = _H in buffers
         if self.full:
             eig, self.q = torch.linalg.eigh(buffers[_H])
@@ -598,7 +600,8 @@ def trunk_posterior(bnn: BayesianModel) -> trunk.TrunkPosterior | None:
                 f"laplace_heads: the saved feature-layer sums have width "
                 f"{buffers[TRUNK_ENTRIES[0]].shape[0]}, this model's feature layers {names} "
                 f"{sum(widths)}")
-        view = trunk.TrunkPosterior(tuple(buffers[n] for n in TRUNK_ENTRIES), widths, LOGIT_STD,
+        view = trunk.TrunkPosterior(tuple(trunk.wide(buffers[n]) for n in TRUNK_ENTRIES), widths,
+                                    LOGIT_STD,
                                     examples=float(buffers[_N]),
                                     data=float(buffers[_TRUNK_N]) if _TRUNK_N in buffers
                                     else None)
