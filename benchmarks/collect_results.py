@@ -74,7 +74,7 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
         Part("session31.md", "A crash hunt on nine architectures no stress network has, Hugging "
              "Face model classes and dtypes: four faults fixed (Laplace heads on a network whose "
              "last layer is not a Linear classifier, int32 labels, float64 and bfloat16 networks, "
-             "HF ViT's weight.dtype); held-out ResNet-18 at seed 0",
+             "HF ViT's weight.dtype); held-out ResNet-18 and ViT at seed 0 (24 cells, no miss)",
              "EPOCHS=1 OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py NET 0 F (NET: gn_resnet "
              "frozen_bn_resnet squeezenet googlenet densenet gru_text conv1d tied swin); "
              "python benchmarks/held_out_nets.py {gru_text,conv1d,tied,resnet18,vit} 0 F; "
