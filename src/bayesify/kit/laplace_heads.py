@@ -168,10 +168,13 @@ def settle(bnn: BayesianModel, seen: list[Any], logits: torch.Tensor) -> None:
     if isinstance(got, torch.Tensor) and got.shape == logits.shape and torch.allclose(
             got.float(), logits.float(), atol=1e-4, rtol=1e-4):
         return
-    what = ("did not run in the model's forward" if got is None else
-            f"gives {tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}"
-            f"{' of other values' if isinstance(got, torch.Tensor) and got.shape == logits.shape else ''}"
-            f", not the model's logits {tuple(logits.shape)}")
+    if got is None:
+        what = "did not run in the model's forward"
+    elif not isinstance(got, torch.Tensor) or got.shape != logits.shape:
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        what = f"gives {shape}, not the model's logits {tuple(logits.shape)}"
+    else:
+        what = f"gives other values than the model's logits {tuple(logits.shape)}"
     reason = (f"the layer they would sit on, the model's last Linear {base_name(name or '')!r}, "
               f"{what}")
     if bnn.runtime.get(HEADS_BY_DEFAULT):
