@@ -638,7 +638,6 @@ def _epoch_record(state: TrainContext, totals: dict[str, float], beta: float, *,
     return record
 
 
-@torch.no_grad()
 def _refuse_half_precision(bnn: BayesianModel) -> None:
     """A posterior is fitted in float32 (or float64) weights: a network in float16 /
     bfloat16 failed in the families' first forward with torch's dtype errors (their
@@ -653,6 +652,7 @@ def _refuse_half_precision(bnn: BayesianModel) -> None:
             "fit(amp=True) still runs the forward in bfloat16 autocast on a GPU")
 
 
+@torch.no_grad()
 def _num_classes(bnn: BayesianModel, batch: Any) -> int:
     """Classes of the model's output, from the first rows of a batch in eval mode (and
     whether the Laplace heads' classifier gives that output: :func:`laplace_heads.settle`)."""
