@@ -18,7 +18,9 @@ thread; validation 300, test 400 images of the same distribution):
   a tuple output in train mode), ``densenet`` (concatenated features), ``gru_text``
   (a bidirectional GRU on tokens), ``conv1d`` (1-D convolutions, BatchNorm1d, a head
   without bias), ``tied`` (one Linear applied twice, SELU, AlphaDropout), ``swin`` (timm's
-  Swin: shifted windows, relative position bias).
+  Swin: shifted windows, relative position bias);
+* ``NAME_ls`` — any of them trained with label smoothing 0.1 (thirty-second stop: an
+  under-confident start, as real pretrained networks trained that way are).
 
     OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py vit 0 cells.jsonl [family,family]
     NOVAL=1 ...   # also every family without val_loader
@@ -28,6 +30,7 @@ thread; validation 300, test 400 images of the same distribution):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -256,6 +259,44 @@ NETS = {"resnet18": resnet18, "vit": vit, "effb0": effb0,
                                    gru_text, conv1d, tied, swin)}}
 
 
+def label_smoothed(build):
+    """``build`` with every cross-entropy of its training smoothed by 0.1 (the recipe of most
+    real pretrained image networks — timm's, torchvision's V2 weights — which leaves them
+    under-confident: best at T ≈ 0.5–0.7 on held-out data)."""
+    def smoothed(seed):
+        original = F.cross_entropy  # torch.nn.functional: the trainers' too
+        F.cross_entropy = functools.partial(original, label_smoothing=0.1)
+        try:
+            return build(seed)
+        finally:
+            F.cross_entropy = original
+    return smoothed
+
+
+NETS.update({f"{name}_ls": label_smoothed(build) for name, build in list(NETS.items())})
+
+
+def shifted(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """A shift of the test inputs: Gaussian noise of half their standard deviation, then a
+    25° rotation for images; 20 % of the tokens replaced by random ids for token inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    if not x.is_floating_point():
+        swap = torch.rand(x.shape, generator=gen) < 0.2
+        return torch.where(swap, torch.randint(0, int(x.max()) + 1, x.shape, generator=gen), x)
+    out = x + 0.5 * x.std() * torch.randn(x.shape, generator=gen)
+    if x.dim() == 4:
+        import torchvision.transforms.functional as TF
+
+        out = TF.rotate(out, 25.0)
+    return out
+
+
+def shifted_loader(test: DataLoader, seed: int) -> DataLoader:
+    """``test`` (a tensor dataset) under :func:`shifted`."""
+    x, y = test.dataset.tensors
+    return DataLoader(TensorDataset(shifted(x, seed), y), batch_size=test.batch_size)
+
+
 def main() -> None:
     net, seed, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     families = sys.argv[4].split(",") if len(sys.argv) > 4 else bayesify.list_methods()
@@ -265,6 +306,8 @@ def main() -> None:
     began = time.perf_counter()
     model, train, val, test = NETS[net](seed)
     reference = held_out_reference(model, val, test)
+    shift = shifted_loader(test, seed)
+    reference["shift_nll0"] = base_metrics(model, shift)[1]
     acc0, nll0, n = base_metrics(model, val)
     nll0_t = calibrated_nll(model, val)
     print(f"{net} built in {time.perf_counter() - began:.0f} s: validation accuracy {acc0:.4f}, "
@@ -283,6 +326,7 @@ def main() -> None:
                 acc, nll, _ = bnn_metrics(bnn, val)
                 test_acc, test_nll, _ = bnn_metrics(bnn, test)
                 row.update(acc=acc, nll=nll, test_acc=test_acc, test_nll=test_nll,
+                           shift_nll=bnn_metrics(bnn, shift)[1],
                            finite=bool(finite_posterior(bnn)),
                            record={k: v for k, v in result.last.items()
                                    if isinstance(v, (int, float, str, bool)) or v is None})
