@@ -71,6 +71,14 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session32.md", "How far the families may sharpen an under-confident start: the "
+             "temperature floor on 255 validation splits (label-smoothed networks among them; bar "
+             "misses 86 → 34, worst 0.149 → 0.034 nats), every family before and after on three "
+             "under-confident held-out networks",
+             "BAYESIFY_BENCH_CACHE=cache OMP_NUM_THREADS=1 python benchmarks/under_confidence.py "
+             "--nets NETS --logits kept; python benchmarks/under_confidence.py --rules kept; "
+             "python benchmarks/held_out_nets.py {tied_ls,gru_text_ls,swin} 0 F [families] (before: "
+             "c090b98); the text is written by hand"),
         Part("session31.md", "A crash hunt on nine architectures no stress network has, Hugging "
              "Face model classes and dtypes: four faults fixed (Laplace heads on a network whose "
              "last layer is not a Linear classifier, int32 labels, float64 and bfloat16 networks, "

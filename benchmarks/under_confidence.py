@@ -21,7 +21,9 @@ start) and the shift NLL at the reference ÷ at T = 1.
 Networks: ``benchmarks/held_out_nets.py``'s (``NAME_ls``: trained with label smoothing 0.1,
 the usual recipe of real pretrained image networks, which leaves them under-confident;
 shifted by ``held_out_nets.shifted``), ``protocol:digits-cnn`` … (a quality protocol's cached
-network, its own shifts pooled) and ``stress:bn_cnn`` … (the stress matrix's).
+network, its own shifts pooled), ``stress:bn_cnn`` … (the stress matrix's) and ``lite0:10``
+(the real ImageNet EfficientNet-Lite0 with a new head, ``benchmarks/lite0_families.py``'s
+task: 90 validation images).
 
     BAYESIFY_BENCH_CACHE=cache OMP_NUM_THREADS=1 python benchmarks/under_confidence.py \
         --nets resnet18,resnet18_ls,protocol:digits-cnn,stress:two_class --logits kept
@@ -80,6 +82,12 @@ def network_logits(name: str, seed: int):
         vx, vy = p.val.tensors
         zs = torch.cat([outputs(model, x) for x in by_kind.values()])
         return (outputs(model, vx), vy), (outputs(model, tx), ty), zs, ty.repeat(len(by_kind))
+    if name.startswith("lite0:"):  # the real ImageNet EfficientNet-Lite0, a new head
+        from lite0_families import task
+
+        model, _, _, (xt, yt), (xv, yv) = task(int(name.split(":", 1)[1]), seed)
+        return ((outputs(model, xv), yv), (outputs(model, xt), yt),
+                outputs(model, shifted(xt, seed)), yt)
     if name.startswith("stress:"):  # the stress matrix's network (tests/test_stress_pretrained)
         import test_stress_pretrained as S
 
@@ -176,7 +184,7 @@ def rules(logits: str, variants: list[str]) -> str:
     rows = []
     for path in sorted(Path(logits).glob("*.pt")):
         zv, yv, zt, yt, zs, ys = torch.load(path, weights_only=True)
-        for size in (len(yv), 150, 100):
+        for size in sorted({len(yv), min(150, len(yv)), min(100, len(yv))}, reverse=True):
             z, y = zv[:size], yv[:size]
             ref_t = min(GRID.tolist(), key=lambda g: nll(z, y, g))
             per_t, errors = _split(_nll_by_temperature(lambda t, z=z: F.log_softmax(z / t, -1), y))
