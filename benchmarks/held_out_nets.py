@@ -25,6 +25,7 @@ thread; validation 300, test 400 images of the same distribution):
     OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py vit 0 cells.jsonl [family,family]
     NOVAL=1 ...   # also every family without val_loader
     EPOCHS=1 ...  # one epoch each: a crash hunt
+    VAL=100 ...   # a validation split of its first 100 examples
     python benchmarks/stress_table.py cells.jsonl
 """
 
@@ -305,6 +306,9 @@ def main() -> None:
     epochs = int(os.environ["EPOCHS"]) if os.environ.get("EPOCHS") else None
     began = time.perf_counter()
     model, train, val, test = NETS[net](seed)
+    if os.environ.get("VAL"):  # VAL=100: the validation split's first 100 examples only
+        val = DataLoader(TensorDataset(*(t[:int(os.environ["VAL"])] for t in val.dataset.tensors)),
+                         batch_size=val.batch_size)
     reference = held_out_reference(model, val, test)
     shift = shifted_loader(test, seed)
     reference["shift_nll0"] = base_metrics(model, shift)[1]

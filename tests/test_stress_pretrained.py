@@ -522,12 +522,12 @@ def calibrated_nll(model, loader, *, sharpen: bool = True, lowest: float | None 
 def vouched_nll(model, loader) -> float:
     """The start at its best temperature from the floor the split vouches for
     (:func:`bayesify.train.tuning.network_floor` with :func:`~bayesify.train.tuning.unseen_error`)
-    up: the reference fit's search promises to stay within 0.005 of. On a split whose gain
-    from sharpening the start does not survive one more error at its median confidence, the
-    families stay at T ≥ 1 (the 2-class network of seed 0: val asks T = 0.59 for 0.020 nats;
-    on the CNN quality protocol's seed 2 the same kind of gain cost 0.023 on test, and the
-    families sharpened to it ended at 0.97–1.12× the start's shift NLL, 0.76–0.79× without,
-    benchmarks/results/session25.md);
+    up: the reference fit's search promises to stay within 0.005 of. The floor is the
+    temperature that is best with one more error at the split's median confidence, where
+    that gains more than one paired SE (on the CNN quality protocol's seed 2 a gain without it
+    cost 0.023 on test, and the families sharpened to it ended at 0.97–1.12× the start's
+    shift NLL, 0.76–0.79× without, benchmarks/results/session25.md; the 2-class network of
+    seed 0 is floored at T = 0.70 since the thirty-second stop, 1 before, session32.md);
     ``nll0_t`` (every temperature) stays in the table for the held-out bar."""
     import torch.nn.functional as F
 
