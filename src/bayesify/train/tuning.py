@@ -33,11 +33,11 @@ on :data:`TEMPERATURES` (0.05 to 16, log grid) for families whose spread is larg
 data (``sharpens_predictive`` on the family class: Laplace — a GLM's epistemic variance
 grows off the data, so a sharpened broad posterior stays broad there). Every other family
 may sharpen only as far as the *starting network* needs (:func:`temperature_floor`): down
-to the start's own best temperature when sharpening the start buys more than
-:data:`~bayesify.core.selection.CLEAN_TOLERANCE` of clean validation NLL and more than three
-paired standard errors, with one more error at the split's median confidence
-(:func:`unseen_error`) counted in (an under-confident network, e.g. one trained with a
-large weight decay: start 0.47 → 0.29 nats at T ≈ 0.5), else T ≥ 1 (sharpening a broad
+to the start's best temperature with one more error at the split's median confidence
+(:func:`unseen_error`) counted in, when sharpening the start there buys more than
+:data:`~bayesify.core.selection.CLEAN_TOLERANCE` of clean validation NLL and more than one
+paired standard error (an under-confident network, e.g. one trained with a large weight
+decay or label smoothing: start 0.47 → 0.29 nats at T ≈ 0.5), else T ≥ 1 (sharpening a broad
 posterior to buy back its clean NLL cost shift NLL on the quality protocol: ibnn seed 1,
 2.42 → 3.41; benchmarks/results/issue29.md). Laplace goes below that floor only for a τ
 that is not feasible above it — and never on token inputs (:func:`token_inputs`: a ``[batch, length]``
