@@ -72,7 +72,8 @@ def outputs(model, x) -> torch.Tensor:
 def network_logits(name: str, seed: int):
     """Validation, test and shifted-test logits and labels of one network: a held-out one
     (``held_out_nets.NETS``, :func:`shifted`), or a quality protocol's (``protocol:NAME``: its cached
-    pretrained network, its own shifts pooled), or a stress network's (``stress:NAME``)."""
+    pretrained network, its own shifts pooled), a stress network's (``stress:NAME``) or the
+    real EfficientNet-Lite0's with a new head (``lite0:CLASSES``)."""
     if name.startswith("protocol:"):
         import protocols as P
 
@@ -189,6 +190,9 @@ def rules(logits: str, variants: list[str]) -> str:
             ref_t = min(GRID.tolist(), key=lambda g: nll(z, y, g))
             per_t, errors = _split(_nll_by_temperature(lambda t, z=z: F.log_softmax(z / t, -1), y))
             unseen = tuning.unseen_error(errors, _runner_up_nll(z))
+            # the re-implementation is the library's rule at its own threshold
+            assert floor_variant(per_t, unseen, tuning.UNDER_CONFIDENT_SE, True) \
+                == tuning.network_floor(per_t, unseen)
             row = {"case": path.stem, "n_val": size, "shift_nll_1": nll(zs, ys, 1.0)}
             ref = nll(zt, yt, ref_t)
             for i, v in enumerate(variants):
