@@ -73,7 +73,7 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
         Part("session32.md", "How far the families may sharpen an under-confident start: the "
              "temperature floor on 255 validation splits (label-smoothed networks among them; bar "
-             "misses 86 → 34, worst 0.149 → 0.034 nats), every family before and after on three "
+             "misses 86 → 27, worst 0.149 → 0.034 nats), every family before and after on five "
              "under-confident held-out networks",
              "BAYESIFY_BENCH_CACHE=cache OMP_NUM_THREADS=1 python benchmarks/under_confidence.py "
              "--nets NETS --logits kept; python benchmarks/under_confidence.py --rules kept; "

@@ -160,23 +160,32 @@ def table(rows: list[dict], ks: list, labels: list[str] | None = None) -> str:
 
 
 def floor_variant(per_t: torch.Tensor, unseen: torch.Tensor | None, k: float,
-                  which: bool) -> float:
-    """:func:`~bayesify.train.tuning.network_floor` with threshold ``k``; ``which``: the
-    floor is the best temperature *with* the unseen error (not the split's own best, which the
-    unseen error only vets)."""
+                  which: str = "") -> float:
+    """:func:`~bayesify.train.tuning.network_floor` with threshold ``k``. ``which``: "" — the
+    split's own best temperature, which the unseen error only vets; "which" — the best
+    temperature *with* the unseen error; "both" — the split's own best where it passes,
+    else the best with the unseen error."""
     from bayesify.core.selection import CLEAN_TOLERANCE
 
     own_best = int(per_t.mean(-1).argmin())
     full = per_t if unseen is None else torch.cat([per_t, unseen.to(per_t).view(-1, 1)], 1)
     means = full.mean(-1)
     soft = min((i for i, t in enumerate(TEMPERATURES) if t >= 1.0), key=lambda i: means[i])
-    best = int(means.argmin()) if which else own_best
-    if own_best == 0 or best >= soft:
+    if own_best == 0:
         return 1.0
-    gain = full[soft] - full[best]
-    se = float(gain.std() / math.sqrt(gain.numel()))
-    if float(gain.mean()) > max(CLEAN_TOLERANCE, k * se):
-        return min(1.0, TEMPERATURES[best])
+
+    def passes(best: int) -> bool:
+        if best >= soft:
+            return False
+        gain = full[soft] - full[best]
+        se = float(gain.std() / math.sqrt(gain.numel()))
+        return float(gain.mean()) > max(CLEAN_TOLERANCE, k * se)
+
+    candidates = {"": [own_best], "which": [int(means.argmin())],
+                  "both": [own_best, int(means.argmin())]}[which]
+    for best in candidates:
+        if passes(best):
+            return min(1.0, TEMPERATURES[best])
     return 1.0
 
 
@@ -191,13 +200,13 @@ def rules(logits: str, variants: list[str]) -> str:
             per_t, errors = _split(_nll_by_temperature(lambda t, z=z: F.log_softmax(z / t, -1), y))
             unseen = tuning.unseen_error(errors, _runner_up_nll(z))
             # the re-implementation is the library's rule at its own threshold
-            assert floor_variant(per_t, unseen, tuning.UNDER_CONFIDENT_SE, True) \
+            assert floor_variant(per_t, unseen, tuning.UNDER_CONFIDENT_SE, "both") \
                 == tuning.network_floor(per_t, unseen)
             row = {"case": path.stem, "n_val": size, "shift_nll_1": nll(zs, ys, 1.0)}
             ref = nll(zt, yt, ref_t)
             for i, v in enumerate(variants):
                 k, _, which = v.partition(":")
-                floor = floor_variant(per_t, unseen, float(k), bool(which))
+                floor = floor_variant(per_t, unseen, float(k), which)
                 t = min((g for g in TEMPERATURES if g >= floor - 1e-12),
                         key=lambda g, z=z, y=y: nll(z, y, g))
                 row[f"floor_{i:g}"], row[f"t_{i:g}"] = floor, t

@@ -523,8 +523,8 @@ def vouched_nll(model, loader) -> float:
     """The start at its best temperature from the floor the split vouches for
     (:func:`bayesify.train.tuning.network_floor` with :func:`~bayesify.train.tuning.unseen_error`)
     up: the reference fit's search promises to stay within 0.005 of. The floor is the
-    temperature that is best with one more error at the split's median confidence, where
-    that gains more than one paired SE (on the CNN quality protocol's seed 2 a gain without it
+    split's own best temperature, or the milder one that is best with one more error at the
+    split's median confidence, whichever first gains more than one paired SE with it (on the CNN quality protocol's seed 2 a gain without it
     cost 0.023 on test, and the families sharpened to it ended at 0.97–1.12× the start's
     shift NLL, 0.76–0.79× without, benchmarks/results/session25.md; the 2-class network of
     seed 0 is floored at T = 0.70 since the thirty-second stop, 1 before, session32.md);
