@@ -49,6 +49,7 @@ import held_out_nets as H
 from held_out_nets import shifted
 from test_stress_pretrained import _logits
 
+from bayesify.atomic_files import replace, write_temp
 from bayesify.train import tuning
 from bayesify.train.tuning import TEMPERATURES, _nll_by_temperature, _runner_up_nll, _split
 
@@ -127,8 +128,9 @@ def keep(name: str, seed: int, where: str) -> None:
     began = time.perf_counter()
     (zv, yv), (zt, yt), zs, ys = network_logits(name, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save([zv, yv, zt, yt, zs, ys], str(path) + ".tmp")
-    Path(str(path) + ".tmp").replace(path)
+    staged = write_temp(path.parent, lambda fh: torch.save([zv, yv, zt, yt, zs, ys], fh),
+                        prefix=f".{path.stem}-")
+    replace(staged, path)
     print(f"{name} seed {seed}: validation accuracy {float((zv.argmax(-1) == yv).float().mean()):.3f}"
           f", kept in {time.perf_counter() - began:.0f} s", flush=True)
 
