@@ -254,10 +254,110 @@ def swin(seed):
     return image_loaders(model, *d, seed=seed)
 
 
+def deit_distilled(seed):
+    """timm's distilled DeiT: two heads (``head``, ``head_dist``) whose outputs are averaged
+    in eval mode."""
+    from timm.models.deit import VisionTransformerDistilled
+
+    torch.manual_seed(seed)
+    d = rgb_digits(seed=seed, test=True)
+    model = VisionTransformerDistilled(img_size=32, patch_size=4, embed_dim=64, depth=3,
+                                       num_heads=2, num_classes=10, drop_rate=0.1)
+    _train_any(model, d[0], d[1], steps=500, lr=1e-3, weight_decay=0.05, seed=seed)
+    return image_loaders(model, *d, seed=seed)
+
+
+def shufflenet(seed):
+    """torchvision's ShuffleNetV2 ×0.5 (channel shuffle, split branches, depthwise)."""
+    import torchvision
+
+    torch.manual_seed(seed)
+    d = rgb_digits(seed=seed, test=True)
+    model = torchvision.models.shufflenet_v2_x0_5(num_classes=10)
+    _train_any(model, d[0], d[1], steps=500, lr=2e-3, weight_decay=0.01, seed=seed)
+    return image_loaders(model, *d, seed=seed, batchnorm=True)
+
+
+def channels_last(seed):
+    """A ResNet trained and served in ``torch.channels_last`` memory format."""
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(seed)
+    d = rgb_digits(seed=seed, test=True)
+    d = tuple(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in d)
+    model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10).to(memory_format=torch.channels_last)
+    _train_any(model, d[0], d[1], steps=300, lr=1e-3, weight_decay=0.01, seed=seed)
+    return image_loaders(model, *d, seed=seed, batchnorm=True)
+
+
+class NormedMLP(nn.Module):
+    """Linear layers under ``torch.nn.utils.parametrizations``: weight norm on every layer
+    (the head too), or spectral norm on the hidden ones (SNGP-style)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        wrap = (nn.utils.parametrizations.weight_norm if kind == "weight"
+                else nn.utils.parametrizations.spectral_norm)
+        self.body = nn.Sequential(wrap(nn.Linear(256, 128)), nn.ReLU(), nn.Dropout(0.1),
+                                  wrap(nn.Linear(128, 64)), nn.ReLU())
+        self.head = wrap(nn.Linear(64, 10)) if kind == "weight" else nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x.flatten(1)))
+
+
+def _normed(kind):
+    def build(seed):
+        torch.manual_seed(seed)
+        x, y, xv, yv, xt, yt = digits_tensors(size=16, n_train=600, seed=seed, n_test=400)
+        model = NormedMLP(kind)
+        _train_any(model, x, y, steps=400, lr=2e-3, weight_decay=0.01, seed=seed)
+        return image_loaders(model, x, y, xv, yv, xt, yt, seed=seed)
+    build.__name__ = f"{kind}_norm_mlp"
+    return build
+
+
+class MLPHeadCNN(nn.Module):
+    """A VGG/MobileNet-style classifier: ``Sequential(Linear, ReLU, Dropout, Linear)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2), nn.Flatten())
+        self.classifier = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Dropout(0.5),
+                                        nn.Linear(64, 10))
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+def mlp_head_cnn(seed):
+    torch.manual_seed(seed)
+    d = rgb_digits(seed=seed, test=True)
+    model = MLPHeadCNN()
+    _train_any(model, d[0], d[1], steps=400, lr=2e-3, weight_decay=0.01, seed=seed)
+    return image_loaders(model, *d, seed=seed, batchnorm=True)
+
+
+def mixer(seed):
+    """timm's MLP-Mixer: token-mixing MLPs on transposed activations."""
+    from timm.models.mlp_mixer import MlpMixer
+
+    torch.manual_seed(seed)
+    d = rgb_digits(seed=seed, test=True)
+    model = MlpMixer(num_classes=10, img_size=32, patch_size=4, num_blocks=3, embed_dim=64)
+    _train_any(model, d[0], d[1], steps=500, lr=1e-3, weight_decay=0.05, seed=seed)
+    return image_loaders(model, *d, seed=seed)
+
+
 NETS = {"resnet18": resnet18, "vit": vit, "effb0": effb0,
         "convnext": lambda seed: convnext(seed=seed, test=True),
         **{f.__name__: f for f in (gn_resnet, frozen_bn_resnet, squeezenet, googlenet, densenet,
-                                   gru_text, conv1d, tied, swin)}}
+                                   gru_text, conv1d, tied, swin, deit_distilled, shufflenet,
+                                   channels_last, _normed("weight"), _normed("spectral"),
+                                   mlp_head_cnn, mixer)}}
 
 
 def label_smoothed(build):

@@ -53,7 +53,9 @@ def pretrain(model, ds, steps=150):
     for _ in range(steps):
         try: b = next(it)
         except StopIteration: it = iter(dl); b = next(it)
-        loss = model(**b).loss; opt.zero_grad(); loss.backward(); opt.step()
+        labels = b.pop("labels")  # DeiT's teacher class takes no labels
+        loss = torch.nn.functional.cross_entropy(model(**b).logits, labels)
+        opt.zero_grad(); loss.backward(); opt.step()
     model.eval(); return model
 
 def build(name):
@@ -70,6 +72,29 @@ def build(name):
     if name == "hf_resnet":
         cfg = T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=3)
         return T.ResNetForImageClassification(cfg), ImgDS
+    # thirty-third stop: classes whose heads or layers differ from the four above
+    text = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                intermediate_size=64, max_position_embeddings=32, num_labels=3)
+    if name == "bert":  # pooler (tanh) + dropout + Linear
+        return T.BertForSequenceClassification(T.BertConfig(**text)), TokDS
+    if name == "roberta":  # a two-layer head (dense, tanh, out_proj) on the first token
+        return T.RobertaForSequenceClassification(T.RobertaConfig(**text, pad_token_id=1)), TokDS
+    if name == "albert":  # one layer's weights shared by every layer
+        return T.AlbertForSequenceClassification(T.AlbertConfig(**text, embedding_size=16)), TokDS
+    if name == "deberta_v2":  # relative attention, ContextPooler, StableDropout
+        return T.DebertaV2ForSequenceClassification(T.DebertaV2Config(**text)), TokDS
+    if name == "hf_convnext":  # LayerNorm on channels, layer scale, a LayerNorm before the head
+        cfg = T.ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+                               num_labels=3, image_size=32)
+        return T.ConvNextForImageClassification(cfg), ImgDS
+    if name == "hf_swin":  # shifted windows
+        cfg = T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                           num_heads=[2, 2], window_size=4, num_labels=3)
+        return T.SwinForImageClassification(cfg), ImgDS
+    if name == "hf_deit_distilled":  # two classifiers (class and distillation token) averaged
+        cfg = T.DeiTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, intermediate_size=64, num_labels=3)
+        return T.DeiTForImageClassificationWithTeacher(cfg), ImgDS
 
 @torch.no_grad()
 def _accuracy(bnn, loader) -> float:

@@ -8,6 +8,7 @@ presets and include/exclude patterns on qualified module names, like PEFT's
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -20,6 +21,8 @@ from bayesify.core.layers import BayesianLayer
 from bayesify.core.method import Method, wrapper_for
 from bayesify.core.names import BASE_LAYER, posterior_name
 from bayesify.errors import BayesifyError
+
+logger = logging.getLogger(__name__)
 
 #: parents that read a child's weights directly instead of calling it: a wrapper
 #: around such a child would be bypassed silently, so these children are skipped.
@@ -105,6 +108,45 @@ def find_classifier(model: nn.Module) -> str | None:
                         return f"{name}.{last[-1]}" if name else last[-1]
     linears = [n for n, m in _user_modules(model) if isinstance(m, nn.Linear)]
     return linears[-1] if linears else None
+
+
+def classifier_group(model: nn.Module) -> list[str]:
+    """Every classifier whose outputs the model combines into its logits: a distilled
+    model's two heads (timm's DeiT/LeViT/EfficientFormer ``get_classifier()`` returns
+    ``(head, head_dist)``; Hugging Face's ``…WithTeacher`` classes name the second one
+    ``distillation_classifier`` or ``classifier_distill``), whose mean the model returns in
+    eval mode. Otherwise the one :func:`find_classifier` finds (or none)."""
+    get_classifier = getattr(model, "get_classifier", None)
+    if callable(get_classifier):
+        try:
+            heads = get_classifier()
+        except Exception:  # noqa: BLE001 - some models raise when headless
+            heads = None
+        if isinstance(heads, (tuple, list)) and len(heads) > 1:
+            names = {id(m): n for n, m in _user_modules(model)}
+            found = []
+            for head in heads:
+                if isinstance(head, nn.Linear) and id(head) in names:
+                    found.append(names[id(head)])
+                elif isinstance(head, nn.Module) and id(head) in names:
+                    inner = [n for n, m in _user_modules(head) if isinstance(m, nn.Linear)]
+                    if inner:
+                        found.append(f"{names[id(head)]}.{inner[-1]}")
+            if len(found) == len(heads):
+                return found
+    last = find_classifier(model)
+    if last is None:
+        return []
+    if any(re.fullmatch(r"(.*_)?(head_?dist|dist(illation)?_(head|classifier)|"
+                        r"classifier_dist(ill)?)", part) for part in last.split(".")):
+        linears = [(n, m) for n, m in _user_modules(model) if isinstance(m, nn.Linear)]
+        modules = dict(linears)
+        shape = (modules[last].in_features, modules[last].out_features)
+        before = [n for n, m in linears[:-1] if n != last
+                  and (m.in_features, m.out_features) == shape]
+        if before and linears[-1][0] == last:
+            return [before[-1], last]
+    return [last]
 
 
 def _user_modules(model: nn.Module) -> Iterable[tuple[str, nn.Module]]:
@@ -198,6 +240,12 @@ def _apply_preset(
                 f"targets='last_layer' but the classifier {head!r} is not a layer "
                 f"{method.name!r} supports; name one explicitly with targets=[...]"
             )
+        if getattr(method, "every_classifier", False):
+            heads = classifier_group(model)
+            if len(heads) > 1 and all(h in candidates for h in heads):
+                logger.info("targets='last_layer': the model's logits combine %d classifiers "
+                            "(a distilled model's heads): %s", len(heads), heads)
+                return heads
         return [head]
     if isinstance(targets, str) and re.fullmatch(r"(first|last):\d+", targets):
         which, k = targets.split(":")

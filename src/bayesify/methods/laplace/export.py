@@ -183,6 +183,8 @@ def export_laplace(bnn: BayesianModel, config: LaplaceConfig, *, samples_per_com
     raise BayesifyError(
         "method 'laplace' with a subnetwork (diagonal) posterior cannot be exported: its "
         "predictive needs per-example Jacobians (torch.func vmap/jacrev), which "
-        "torch.export cannot trace; export a last-layer Laplace (targets='last_layer', "
-        "structure kron/diag/full) instead"
+        "torch.export cannot trace; export a last-layer Laplace (targets='last_layer' on "
+        "a model with one classifier, structure kron/diag/full) instead. (A distilled "
+        "model, whose logits average two heads, gets the subnetwork posterior over both "
+        "from targets='last_layer'.)"
     )

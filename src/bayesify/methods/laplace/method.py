@@ -66,6 +66,9 @@ class LaplaceMethod(Method):
     #: is larger off the data, so a sharpened broad posterior stays broad there
     #: (bayesify.train.tuning.sharpening_allowed)
     sharpens_predictive: ClassVar[bool] = True
+    #: a distilled model's logits are the mean of two heads: the posterior covers both (a
+    #: diagonal subnetwork posterior; one wrapped head alone does not make the logits)
+    every_classifier: ClassVar[bool] = True
 
     # -- structure and training --------------------------------------------------------
     def build(self, model: nn.Module, targets: list[str],
