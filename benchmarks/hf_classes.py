@@ -73,8 +73,9 @@ def build(name):
         cfg = T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=3)
         return T.ResNetForImageClassification(cfg), ImgDS
     # thirty-third stop: classes whose heads or layers differ from the four above
-    text = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                intermediate_size=64, max_position_embeddings=32, num_labels=3)
+    text = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 32,
+            "num_labels": 3}
     if name == "bert":  # pooler (tanh) + dropout + Linear
         return T.BertForSequenceClassification(T.BertConfig(**text)), TokDS
     if name == "roberta":  # a two-layer head (dense, tanh, out_proj) on the first token
