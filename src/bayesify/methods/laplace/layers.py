@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer
@@ -65,8 +66,24 @@ class LaplaceLayer(BayesianLayer):
             self.captured = (x, out)
         return out
 
+    def posterior_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of what the posterior is over, in ``ggn_diag``'s order: the base
+        layer's parameters — except that a parametrized tensor (``torch.nn.utils.
+        parametrize``: weight norm, spectral norm) is the value the layer computes from
+        its originals, under its own name. A weight-normed classifier's [W | b] is then what
+        the last-layer curvature is over; before, its ``g`` and ``v`` were counted (660
+        parameters against the curvature's 650) and ``fit`` failed. (The subnetwork
+        posterior refuses parametrized layers: its per-example Jacobians would be taken
+        through ``functional_call``, which writes a computed weight back into the
+        originals — :func:`refuse_parametrized`.)"""
+        base = self.base_layer
+        if not parametrize.is_parametrized(base):
+            return list(base.named_parameters())
+        computed = [(name, getattr(base, name)) for name in base.parametrizations]
+        return computed + list(base.named_parameters(recurse=False))
+
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.base_layer.parameters())
+        return sum(p.numel() for _, p in self.posterior_parameters())
 
     def mean_weight(self, name: str) -> torch.Tensor | None:
         """The posterior mean is the MAP: the base layer's own tensor."""
@@ -84,7 +101,7 @@ class LaplaceLayer(BayesianLayer):
 
     def map_vector(self) -> torch.Tensor:
         """``[P]`` θ* in the order of ``ggn_diag`` (weight then bias, flattened)."""
-        return torch.cat([p.reshape(-1) for p in self.base_layer.parameters()])
+        return torch.cat([p.reshape(-1) for _, p in self.posterior_parameters()])
 
     def reset_curvature(self) -> None:
         for name in ("kron_input", "kron_output", "ggn_full", "ggn_diag", "n_data",
@@ -94,3 +111,18 @@ class LaplaceLayer(BayesianLayer):
 
     def extra_repr(self) -> str:
         return f"structure={self.structure}, params={self.num_params()}"
+
+
+def refuse_parametrized(layers: dict[str, nn.Module]) -> None:
+    """A ``BayesifyError`` naming the parametrized layers (weight norm, spectral norm) among
+    a subnetwork posterior's targets: its Jacobians need the tensors the layers use as
+    ``functional_call`` inputs, and a parametrized weight is computed, not a parameter."""
+    names = [n for n, m in layers.items()
+             if parametrize.is_parametrized(getattr(m, "base_layer", m))]
+    if names:
+        raise BayesifyError(
+            f"method 'laplace': a subnetwork (diagonal) posterior over layers under "
+            f"torch.nn.utils.parametrize (weight or spectral norm: {names[:5]}) is not "
+            "supported — their weight is computed from other parameters. Use the last-layer "
+            "posterior (targets='last_layer' on a model whose classifier gives the logits) "
+            "or leave them out (exclude=[...])")

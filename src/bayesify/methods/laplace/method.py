@@ -43,7 +43,7 @@ from bayesify.methods.laplace import posterior as post
 from bayesify.methods.laplace import state
 from bayesify.methods.laplace.config import AUTO_FULL_PARAMS, LaplaceConfig, auto_structure
 from bayesify.methods.laplace.export import export_laplace
-from bayesify.methods.laplace.layers import LaplaceLayer
+from bayesify.methods.laplace.layers import LaplaceLayer, refuse_parametrized
 from bayesify.methods.laplace.step import LaplaceStep
 
 if TYPE_CHECKING:
@@ -92,6 +92,8 @@ class LaplaceMethod(Method):
                 f"classifier, targets='last_layer'); got {list(targets)[:5]}. Use "
                 "structure='diag' for a subnetwork"
             )
+        if not single_linear:
+            refuse_parametrized({t: modules[t] for t in targets})
         names = self._feature_layers(model, targets[0] if single_linear else None)
         widths = trunk.check_layers(model, names)
         wrapped = wrap_targets(self, model, targets, context)

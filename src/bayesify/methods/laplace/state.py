@@ -142,7 +142,7 @@ def evidence_record(bnn: BayesianModel, config: LaplaceConfig) -> dict[str, Any]
 def param_names(found: dict[str, LaplaceLayer]) -> list[str]:
     """functional_call keys of the subnetwork parameters (the base layers' own tensors)."""
     return [wrapped_name(lname, p) for lname, layer in found.items()
-            for p, _ in layer.base_layer.named_parameters()]
+            for p, _ in layer.posterior_parameters()]
 
 
 def chunk(bnn: BayesianModel, config: LaplaceConfig, x: torch.Tensor, num_params: int) -> int:

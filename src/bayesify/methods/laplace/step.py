@@ -27,7 +27,7 @@ from bayesify.kit.steps import CurvatureStep, keeps_accuracy
 from bayesify.methods.laplace import curvature as curv
 from bayesify.methods.laplace import state
 from bayesify.methods.laplace.config import LaplaceConfig
-from bayesify.methods.laplace.layers import LaplaceLayer
+from bayesify.methods.laplace.layers import LaplaceLayer, refuse_parametrized
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
@@ -110,6 +110,7 @@ class LaplaceStep(CurvatureStep):
                     if taps is not None:
                         self._trunk_batch(head, taps, logits)
             if feats is None:  # diag on a layer that is not the logits: Jacobian path
+                refuse_parametrized(found)
                 bnn.state.set("laplace_last_layer", 0)
                 self._subnetwork_curvature()
                 with torch.enable_grad():
