@@ -78,8 +78,8 @@ def default_epochs(*, batches_per_epoch: int, grad_accum_steps: int, n_train: in
                         f"for a budget of {budget} optimiser steps (min_steps / "
                         "$BAYESIFY_MIN_STEPS)")
     rows = rows_per_example(step)
-    if batches_per_epoch <= 0 or n_train <= 0:
-        return 1, "fit(epochs=None): the training loader has no length: one epoch"
+    if n_train <= 0:  # the budget counts examples: a loader without a length needs none
+        return 1, "fit(epochs=None): the number of training examples is unknown: one epoch"
     epochs = max(1, math.ceil(DEFAULT_FORWARDS / (n_train * rows)))
     return epochs, (f"fit(epochs=None): {epochs} epoch(s) of {n_train} examples × {rows} "
                     f"row(s) each = {epochs * n_train * rows} forward passes, for a budget of "

@@ -281,7 +281,14 @@ def training_set_size(loader: Iterable, *, batch_fn: BatchFn | None = None) -> i
     every loader gets first (readable batches with labels), for a list or tuple of batches."""
     dataset = getattr(loader, "dataset", None)
     if dataset is not None:
-        return len(dataset)
+        try:
+            return len(dataset)
+        except TypeError:  # a stream (IterableDataset: WebDataset, HF streaming) has no length
+            raise BayesifyError(
+                "fit needs N_train, the number of training examples, to weigh the posterior's "
+                "KL term per example (loss = NLL + β·KL / N_train) and to size its default "
+                f"budget, but the training loader's {type(dataset).__name__} has no length "
+                "(a streaming dataset): pass fit(..., n_train=N)") from None
     count = ""
     if isinstance(loader, (list, tuple)):  # re-iterable: the basic checks first
         if not loader:
