@@ -73,6 +73,20 @@ def test_mapping_with_other_label_key_is_refused_with_a_batch_fn_example():
     assert "'labels' or 'label'" in msg and "batch_fn=lambda b: (b['x'], b['y'])" in msg
 
 
+def test_the_batch_fn_example_splits_inputs_from_the_label_not_an_input_from_itself():
+    """A mapping whose input key the model does not take: the example used to read
+    ``(b['pics'], b['pics'])`` when the check saw the inputs without their label."""
+    x, y = data()
+    loader = [{"pics": x[:8], "label": y[:8]}]
+    bnn = bayesify.bayesify(TinyCNN(), method="ibnn")
+    with pytest.raises(BayesifyError) as err:
+        bayesify.fit(bnn, loader, n_train=8, epochs=1, progress=False)
+    msg = str(err.value)
+    assert "b['pics'], b['pics']" not in msg
+    assert ("batch_fn=lambda b: (b['pics'], b['label'])" in msg
+            or "batch_fn=lambda b: (b['pics'], b['labels'])" in msg)
+
+
 def test_mapping_keys_the_model_does_not_take_are_refused():
     x, _ = data()
     bnn = bayesify.bayesify(TinyCNN(), method="ibnn")

@@ -189,11 +189,14 @@ LABEL_LIKE_KEYS = ("y", "target", "targets", "class", "label_id", "label_ids")
 
 
 def _mapping_help(keys: list[str]) -> str:
+    labels = [k for k in keys if k.lower() in (*LABEL_KEYS, *LABEL_LIKE_KEYS)]
+    label = labels[0] if labels else "labels"
+    inputs = [k for k in keys if k != label] or keys
     return (f"a mapping batch must hold its label under 'labels' or 'label' and its inputs "
             f"either under one of {list(IMAGE_KEYS)} (an image tensor, passed as model(x)) or "
             f"under the model's keyword argument names (e.g. 'input_ids', 'attention_mask'); "
             f"this one holds {keys}. Say how to split it with batch_fn=..., e.g. "
-            f"batch_fn=lambda b: (b[{keys[0]!r}], b[{keys[-1]!r}])")
+            f"batch_fn=lambda b: (b[{inputs[0]!r}], b[{label!r}])")
 
 
 def _mapping_batch(batch: Mapping) -> Batch:
