@@ -73,3 +73,21 @@ def test_a_stream_with_n_train_gets_the_map_style_loaders_epochs(library_budget)
     assert runs[0][0] == runs[1][0] > 1
     # the same examples in the same order: the same posterior
     assert torch.allclose(runs[0][1], runs[1][1], atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["train", "val"])
+def test_a_one_shot_iterator_is_refused_with_what_to_pass(which):
+    """A generator was read once for the first batch's checks; the epoch then found it
+    empty and ``fit`` said "the training loader produced no batches"."""
+    x, y = _data()
+    batches = list(DataLoader(TensorDataset(x, y), batch_size=32))
+    bnn = bayesify(_model(), "meanfield")
+    start = {k: v.clone() for k, v in bnn.state_dict().items()}
+    loaders = {"train": (b for b in batches), "val": None}
+    if which == "val":
+        loaders = {"train": batches, "val": iter(batches)}
+    with pytest.raises(BayesifyError, match=r"one-shot iterator.*DataLoader, or a list"):
+        fit(bnn, loaders["train"], val_loader=loaders["val"], progress=False, epochs=1)
+    assert all(torch.equal(start[k], v) for k, v in bnn.state_dict().items())
+    with pytest.raises(TypeError, match="iterable of batches"):
+        fit(bnn, 3, progress=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from numbers import Integral, Real
 from typing import Any
 
@@ -145,6 +145,23 @@ def callback_list(name: str, value: Any) -> None:
         raise TypeError(f"fit option {name} must be a list of callbacks, got {_type_name(value)}")
 
 
+def reiterable(name: str, value: Any) -> None:
+    """A loader ``fit`` can read more than once: not an iterator that is its own iterator (a
+    generator, ``iter(list)``) — ``fit`` reads a first batch to check the model, then every
+    epoch; the validation search streams the split once per candidate. Before this rule a
+    generator failed with "the training loader produced no batches" after its first batch
+    had been read."""
+    if not isinstance(value, Iterable):  # (iter() itself would start a loader's workers)
+        raise TypeError(f"fit's {name} must be an iterable of batches (a DataLoader, a list), "
+                        f"got {_type_name(value)}")
+    if isinstance(value, Iterator):
+        raise BayesifyError(
+            f"fit's {name} is a one-shot iterator ({_type_name(value)}: iter(x) is x), but fit "
+            "reads it more than once (a first batch to check the model, then every epoch; the "
+            "validation search once per candidate); pass a torch DataLoader, or a list of "
+            "batches (list(...))")
+
+
 #: option name → rule; every rule raises TypeError/BayesifyError naming the option
 FIT_OPTION_RULES: dict[str, Callable[[str, Any], None]] = {
     "epochs": optional(count(1)),
@@ -176,7 +193,9 @@ FIT_OPTION_RULES: dict[str, Callable[[str, Any], None]] = {
     "callbacks": callback_list,
     "val_every": optional(count(1)),
     "val_samples_per_component": optional(count(1)),
-    "shift_loader": lambda name, value: None,  # any labelled loader (checked when read)
+    "train_loader": reiterable,
+    "val_loader": optional(reiterable),
+    "shift_loader": optional(reiterable),  # any labelled loader (batches checked when read)
     "find_unused_parameters": flag,
     "timeout_s": optional(positive),
     "timeout": optional(positive),
