@@ -118,6 +118,19 @@ def logits_of(output: Any) -> torch.Tensor:
                     f"{_HINT}")
 
 
+def same_softmax(out: Any, logits: torch.Tensor, *, atol: float = 1e-4) -> bool:
+    """Whether ``out`` (a classifier's output) gives the model's ``logits`` up to a constant
+    per row — the same softmax: the logits themselves, or a ``log_softmax`` after the
+    classifier (log-probabilities are valid logits; the classic MNIST net ends in one)."""
+    if not isinstance(out, torch.Tensor) or out.shape != logits.shape or out.dim() < 1:
+        return False
+    if torch.equal(out, logits):
+        return True
+    gap = out.double() - logits.double()
+    spread = (gap - gap.mean(-1, keepdim=True)).abs().max()
+    return bool(spread <= atol * (1.0 + out.detach().double().abs().max()))
+
+
 def check_not_probabilities(logits: torch.Tensor, *, where: str) -> None:
     """Refuse an output whose every row is a probability vector (a softmax output).
 

@@ -53,10 +53,12 @@ class FeatureTap(nn.Module):
         super().__init__()
         self.linear = linear
         self.features: torch.Tensor | None = None
+        self.output: torch.Tensor | None = None
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         self.features = a
-        return self.linear(a)
+        self.output = self.linear(a)
+        return self.output
 
 
 class PooledTap(nn.Module):
@@ -113,8 +115,10 @@ class LastLayerLaplace(nn.Module):
         return post.full_blocks_variance(feats, self.cov_blocks, self.cov_rows)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        logits = logits_of(self.model(*args, **kwargs))
+        logits_of(self.model(*args, **kwargs))
+        # the classifier's output is the mean (the model's logits up to a constant per row)
         a, self.tap.features = self.tap.features, None
+        logits, self.tap.output = self.tap.output, None
         feats = augmented_features(a, self.has_bias).to(self.dtype)
         if self.link == "mc":
             return torch.einsum("bd,scd->sbc", feats, self.weight_samples)

@@ -236,8 +236,11 @@ class LaplaceMethod(Method):
         view = state.trunk_posterior(bnn, self.config)
         taps = trunk.Taps(bnn.model, list(self.config.feature_layers)) if view else None
         with state.capturing(layer), taps.installed() if taps else nullcontext():
-            logits = logits_of(call_model(bnn.model, x))
-            feats = curv.augmented_features(layer.captured[0], layer.has_bias)
+            logits_of(call_model(bnn.model, x))
+            # the classifier's output is the GLM's mean: the model's logits, or the same up
+            # to a constant per row (a log_softmax after it; fit checked which)
+            a, logits = layer.captured
+            feats = curv.augmented_features(a, layer.has_bias)
             psi = taps.features(logits.shape[0], torch.float64, logits.device)[0] if taps else None
         return logits, feats.to(dtype), psi
 

@@ -19,7 +19,7 @@ from bayesify.core.batch import call_model
 from bayesify.core.checks import check_finite_inputs, check_finite_logits, check_labels
 from bayesify.core.fitting import FitContext
 from bayesify.core.names import in_base_layer
-from bayesify.core.outputs import logits_of
+from bayesify.core.outputs import logits_of, same_softmax
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
 from bayesify.kit import feature_layers as trunk
@@ -248,7 +248,7 @@ class LaplaceStep(CurvatureStep):
                   check: bool) -> torch.Tensor | None:
         """ã ``[B, D']`` from the captured input, after checking the layer makes the logits."""
         a, out = layer.captured
-        if check and (a.dim() != 2 or out.shape != logits.shape or not torch.equal(out, logits)):
+        if check and (a.dim() != 2 or not same_softmax(out, logits)):
             if self.config.structure != "diag":
                 raise BayesifyError(
                     "last-layer Laplace needs the wrapped Linear to produce the model's logits "
