@@ -300,7 +300,8 @@ class BestState:
         if kept != "last":
             logger.warning("fit of %r: the last state had validation %s of the starting network; "
                            "the fit keeps the state of %s instead (validation accuracy %.4f, "
-                           "NLL %.4f)", family, ended, kept, metrics["val_accuracy"],
+                           "NLL %.4f at the last state's knobs and temperature; its own are "
+                           "searched next)", family, ended, kept, metrics["val_accuracy"],
                            metrics["val_nll"])
         if still:
             warnings.warn(

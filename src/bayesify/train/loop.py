@@ -365,6 +365,10 @@ def fit(
                 # the search's knobs and T belong to the state they were searched on: a kept
                 # earlier state (or the start: every knob neutral, T = 1) is searched again
                 adopt_search(record, *search())
+                if ctx.is_main:
+                    logger.info("fit of %r: the kept state (%s) searched again: validation "
+                                "accuracy %.4f, NLL %.4f", method.name, record["kept"],
+                                record["kept_val_accuracy"], record["kept_val_nll"])
             held, kept = state.search_warnings, record.get("kept", "last")
             neutral = (functools.partial(_search_from_the_network, state, method)
                        if laplace_heads.enabled(bnn) else None)
