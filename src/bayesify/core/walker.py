@@ -13,6 +13,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,25 +88,32 @@ def _matches_any(name: str, patterns: Iterable[str]) -> bool:
     return any(name_matches(name, p) for p in patterns)
 
 
+def _timm_classifier(model: nn.Module) -> Any:
+    """What timm's ``get_classifier()`` returns (a module, or a tuple of a distilled model's
+    heads), or None (no such method; a headless model that raises)."""
+    get_classifier = getattr(model, "get_classifier", None)
+    if not callable(get_classifier):
+        return None
+    try:
+        return get_classifier()
+    except Exception:  # noqa: BLE001 - some models raise when headless
+        return None
+
+
 def find_classifier(model: nn.Module) -> str | None:
     """Qualified name of the classifier: timm ``get_classifier()`` or the last Linear. In a
     wrapped model, the classifier the user's network has: a wrapper's ``base_layer``, never a
     module the wrapper adds (a hypernet's weight generator, MNF's auxiliary flow: their
     Linears come after the base layer in module order)."""
-    get_classifier = getattr(model, "get_classifier", None)
-    if callable(get_classifier):
-        try:
-            head = get_classifier()
-        except Exception:  # noqa: BLE001 - some models raise when headless
-            head = None
-        if isinstance(head, nn.Module):
-            for name, module in model.named_modules():
-                if module is head:
-                    if isinstance(head, (nn.Linear, nn.modules.conv._ConvNd)):
-                        return name
-                    last = [n for n, m in _user_modules(head) if isinstance(m, nn.Linear)]
-                    if last:
-                        return f"{name}.{last[-1]}" if name else last[-1]
+    head = _timm_classifier(model)
+    if isinstance(head, nn.Module):
+        for name, module in model.named_modules():
+            if module is head:
+                if isinstance(head, (nn.Linear, nn.modules.conv._ConvNd)):
+                    return name
+                last = [n for n, m in _user_modules(head) if isinstance(m, nn.Linear)]
+                if last:
+                    return f"{name}.{last[-1]}" if name else last[-1]
     linears = [n for n, m in _user_modules(model) if isinstance(m, nn.Linear)]
     return linears[-1] if linears else None
 
@@ -116,24 +124,19 @@ def classifier_group(model: nn.Module) -> list[str]:
     ``(head, head_dist)``; Hugging Face's ``…WithTeacher`` classes name the second one
     ``distillation_classifier`` or ``classifier_distill``), whose mean the model returns in
     eval mode. Otherwise the one :func:`find_classifier` finds (or none)."""
-    get_classifier = getattr(model, "get_classifier", None)
-    if callable(get_classifier):
-        try:
-            heads = get_classifier()
-        except Exception:  # noqa: BLE001 - some models raise when headless
-            heads = None
-        if isinstance(heads, (tuple, list)) and len(heads) > 1:
-            names = {id(m): n for n, m in _user_modules(model)}
-            found = []
-            for head in heads:
-                if isinstance(head, nn.Linear) and id(head) in names:
-                    found.append(names[id(head)])
-                elif isinstance(head, nn.Module) and id(head) in names:
-                    inner = [n for n, m in _user_modules(head) if isinstance(m, nn.Linear)]
-                    if inner:
-                        found.append(f"{names[id(head)]}.{inner[-1]}")
-            if len(found) == len(heads):
-                return found
+    heads = _timm_classifier(model)
+    if isinstance(heads, (tuple, list)) and len(heads) > 1:
+        names = {id(m): n for n, m in _user_modules(model)}
+        found = []
+        for head in heads:
+            if isinstance(head, nn.Linear) and id(head) in names:
+                found.append(names[id(head)])
+            elif isinstance(head, nn.Module) and id(head) in names:
+                inner = [n for n, m in _user_modules(head) if isinstance(m, nn.Linear)]
+                if inner:
+                    found.append(f"{names[id(head)]}.{inner[-1]}")
+        if len(found) == len(heads):
+            return found
     last = find_classifier(model)
     if last is None:
         return []
