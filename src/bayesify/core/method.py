@@ -83,10 +83,6 @@ class Method:
     config_cls: ClassVar[type[MethodConfig]] = MethodConfig
     #: explicit type → wrapper table; isinstance match in this order
     wrappers: ClassVar[dict[type[nn.Module], type[BayesianLayer]]] = {}
-    #: ``targets='last_layer'`` wraps every classifier whose outputs the model combines into
-    #: its logits (a distilled model's two heads, :func:`bayesify.core.walker.classifier_group`)
-    #: instead of the last one alone
-    every_classifier: ClassVar[bool] = False
     config: MethodConfig
 
     def __init__(self, config: MethodConfig) -> None:

@@ -20,6 +20,7 @@ from torch.nn.utils import parametrize
 
 from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer
+from bayesify.core.names import BASE_LAYER
 from bayesify.errors import BayesifyError
 from bayesify.methods.laplace.config import LaplaceConfig
 
@@ -118,7 +119,7 @@ def refuse_parametrized(layers: dict[str, nn.Module]) -> None:
     a subnetwork posterior's targets: its Jacobians need the tensors the layers use as
     ``functional_call`` inputs, and a parametrized weight is computed, not a parameter."""
     names = [n for n, m in layers.items()
-             if parametrize.is_parametrized(getattr(m, "base_layer", m))]
+             if parametrize.is_parametrized(getattr(m, BASE_LAYER, m))]
     if names:
         raise BayesifyError(
             f"method 'laplace': a subnetwork (diagonal) posterior over layers under "

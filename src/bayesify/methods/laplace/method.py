@@ -67,7 +67,9 @@ class LaplaceMethod(Method):
     #: (bayesify.train.tuning.sharpening_allowed)
     sharpens_predictive: ClassVar[bool] = True
     #: a distilled model's logits are the mean of two heads: the posterior covers both (a
-    #: diagonal subnetwork posterior; one wrapped head alone does not make the logits)
+    #: diagonal subnetwork posterior; one wrapped head alone does not make the logits). Read
+    #: by the walker's ``targets='last_layer'`` (:func:`bayesify.core.walker.classifier_group`;
+    #: a family class attribute like ``sharpens_predictive``, not a ``Method`` member)
     every_classifier: ClassVar[bool] = True
 
     # -- structure and training --------------------------------------------------------
