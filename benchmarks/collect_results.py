@@ -71,6 +71,12 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session33.md", "A crash hunt on model and loader kinds no test had (distilled "
+             "heads, weight/spectral norm, log_softmax endings, streams, one-shot iterators); the "
+             "real Lite0 with every family's default budget; EfficientNet-B0 at seed 2",
+             "EPOCHS=1 OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py NET 0 F.jsonl; python "
+             "benchmarks/hf_classes.py bert,roberta,...; python benchmarks/lite0_families.py "
+             "--epochs default ...; the text is written by hand"),
         Part("session32.md", "How far the families may sharpen an under-confident start: the "
              "temperature floor on 255 validation splits (label-smoothed networks among them; bar "
              "misses 86 → 27, worst 0.149 → 0.034 nats), every family before and after on five "
