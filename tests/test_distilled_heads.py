@@ -18,6 +18,7 @@ import copy
 
 import pytest
 import torch
+from stress_nets import _train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -68,13 +69,8 @@ def _data(n: int = 96, seed: int = 0) -> DataLoader:
 
 
 def _trained(model: nn.Module) -> nn.Module:
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(30):
-        for x, y in _data():
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-    return model.eval()
+    _train(model, *_data().dataset.tensors, steps=90, lr=1e-2, weight_decay=0.0)
+    return model
 
 
 def test_the_group_is_every_averaged_head_and_only_those():

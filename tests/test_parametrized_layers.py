@@ -17,6 +17,7 @@ import copy
 
 import pytest
 import torch
+from stress_nets import _train
 from torch import nn
 from torch.nn.utils import parametrizations
 from torch.utils.data import DataLoader, TensorDataset
@@ -30,13 +31,8 @@ def _net(kind: str) -> nn.Module:
     torch.manual_seed(0)
     wrap = parametrizations.weight_norm if kind == "weight" else parametrizations.spectral_norm
     model = nn.Sequential(wrap(nn.Linear(4, 16)), nn.ReLU(), wrap(nn.Linear(16, 3)))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(20):
-        for x, y in _data():
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-    return model.eval()
+    _train(model, *_data().dataset.tensors, steps=60, lr=1e-2, weight_decay=0.0)
+    return model
 
 
 def _data(n: int = 96, seed: int = 0) -> DataLoader:
