@@ -124,3 +124,25 @@ def test_nccl_at_world_size_one_equals_one_process(data, tmp_path):
     for name, p in bnn.named_posterior_parameters():
         theirs = torch.tensor(ddp["params"][name])
         torch.testing.assert_close(p.detach().cpu().flatten(), theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_collectives_take_cpu_counters_on_an_nccl_group(tmp_path):
+    """NCCL has no CPU backend ("No backend type associated with device type cpu"): the
+    library's sums of CPU counters (an epoch's example count, the stream's lockstep flag) run
+    on the group's device and come back where they came from. A one-rank NCCL group, read as
+    distributed so the collectives run."""
+    import torch.distributed as dist
+
+    from bayesify.train.distributed import DistContext, all_reduce_mean, all_reduce_sum
+
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        ctx = DistContext(rank=0, world_size=2, device=torch.device("cuda", 0))
+        out = all_reduce_sum(torch.tensor([3.0], dtype=torch.float64), ctx)
+        assert out.device.type == "cpu" and out.item() == 3.0
+        assert all_reduce_mean(torch.tensor([4.0]), ctx).item() == 2.0  # ÷ ctx.world_size
+        on_gpu = all_reduce_sum(torch.ones(2, device="cuda"), ctx)
+        assert on_gpu.device.type == "cuda"
+    finally:
+        dist.destroy_process_group()

@@ -91,3 +91,19 @@ def test_a_one_shot_iterator_is_refused_with_what_to_pass(which):
     assert all(torch.equal(start[k], v) for k, v in bnn.state_dict().items())
     with pytest.raises(TypeError, match="iterable of batches"):
         fit(bnn, 3, progress=False)
+
+
+def test_ddp_streams_of_unequal_length_end_each_epoch_together(tmp_path):
+    """Two ranks, each streaming its own shard (six batches and four): every epoch ends on
+    both after four steps, with one warning that says so, and the ranks end identical (before,
+    rank 0 waited in its fifth step's gradient all-reduce for rank 1, which had ended its
+    epoch: the collective timed out)."""
+    from test_ddp import ROOT, torchrun
+
+    proc = torchrun(ROOT / "tests" / "ddp_scripts" / "fit_stream.py", str(tmp_path))
+    assert proc.stderr.count("ended at different lengths") == 1  # rank 0 speaks, once
+    assert "stopped on every rank after 4 batch(es)" in proc.stderr
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert ranks[0]["steps"] == ranks[1]["steps"] == [4, 4]
+    for name, tensor in ranks[0]["posterior"].items():
+        assert torch.isfinite(tensor).all() and torch.equal(tensor, ranks[1]["posterior"][name])

@@ -34,7 +34,10 @@ from torch.utils.data import (
 
 from bayesify.core.batch import Batch, BatchFn, iter_batches, limited_batches, split_batch
 from bayesify.errors import BayesifyError
-from bayesify.train.distributed import DistContext
+from bayesify.train.distributed import DistContext, all_reduce_sum
+
+#: a loader's end, in :meth:`TrainData._in_step`
+_END = object()
 
 
 class GlobalBatchSampler(DistributedSampler):
@@ -178,7 +181,8 @@ class TrainData:
             warnings.warn(
                 "fit under torchrun got a loader it cannot re-shard (not a DataLoader over a "
                 "map-style dataset with a Random/Sequential sampler); assuming every rank's "
-                "loader already yields its own shard with the same number of batches",
+                "loader already yields its own shard; an epoch ends on every rank when the "
+                "first rank's loader ends",
                 stacklevel=3,
             )
         elif seeded:
@@ -234,7 +238,34 @@ class TrainData:
         it = iter(self.loader)
         for _ in range(self._skip):  # no seeded sampler: skip by reading
             next(it, None)
+        if self.ctx.distributed and self.sampler is None and not self.exact:
+            return self._in_step(it)
         return it
+
+    def _in_step(self, it: Iterator[Any]) -> Iterator[Any]:
+        """The batches of a loader every rank shards itself (a stream: WebDataset's
+        ``split_by_node``, a Hugging Face streaming split), in step over the ranks: before
+        each batch the ranks agree that every one of them has one (a summed flag), and the
+        epoch ends on every rank when the first rank's loader does. Without it, shards of
+        unequal length left the longer ranks waiting in their next gradient all-reduce for a
+        rank that had finished its epoch, until the collective timed out."""
+        taken = 0
+        while True:
+            batch = next(it, _END)
+            have = torch.tensor([0.0 if batch is _END else 1.0], dtype=torch.float64)
+            ranks = int(all_reduce_sum(have, self.ctx).item())
+            if ranks < self.ctx.world_size:
+                if ranks and self.ctx.is_main:
+                    warnings.warn(
+                        f"the ranks' training loaders ended at different lengths: the epoch "
+                        f"stopped on every rank after {taken} batch(es), when the first rank's "
+                        f"loader ended; {ranks} of {self.ctx.world_size} ranks had batches "
+                        "left that this epoch did not use. Give every rank the same number of "
+                        "batches (e.g. WebDataset's .with_epoch(n), or equal shards)",
+                        stacklevel=2)
+                return
+            taken += 1
+            yield batch
 
 
 def shard_loader(loader: Iterable, ctx: DistContext) -> Iterable:

@@ -236,19 +236,20 @@ def all_reduce_mean(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     """Mean over ranks of a ``[n]`` tensor (identity in a single process)."""
     if not ctx.distributed:
         return values
-    out = values.detach().clone()
-    with naming_unresponsive_ranks(ctx):
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out / ctx.world_size
+    return all_reduce_sum(values, ctx) / ctx.world_size
 
 
 def all_reduce_sum(values: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Sum over ranks (identity in a single process), on the device it came from. The
+    reduction runs on the group's device (``ctx.device``): NCCL, the group ``torchrun`` on
+    GPUs gets, has no CPU backend ("No backend type associated with device type cpu"), and
+    counters are kept on the CPU."""
     if not ctx.distributed:
         return values
-    out = values.detach().clone()
+    out = values.detach().to(ctx.device, copy=True)
     with naming_unresponsive_ranks(ctx):
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out
+    return out.to(values.device)
 
 
 def gather_objects(obj: Any, ctx: DistContext) -> list[Any] | None:
