@@ -104,8 +104,9 @@ class HypernetLayer(BayesianLayer):
         return out
 
     def generate(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``z [k, d]`` → generated variables of k samples (fp32)."""
-        return self._split(self.generator(z))
+        """``z [k, d]`` → generated variables of k samples (in the generator's dtype: fp32,
+        or bf16 after ``bnn.to(torch.bfloat16)``; the noise is drawn in fp32)."""
+        return self._split(self.generator(z.to(self.generator.head.weight.dtype)))
 
     def num_nodes(self) -> int:
         """Generated random variables per sample."""

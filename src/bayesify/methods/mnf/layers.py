@@ -112,6 +112,7 @@ class MNFLayer(BayesianLayer):
             if self.context.deterministic:
                 return self.flow(self.z_mean.unsqueeze(0))[0].expand(rows, -1)
             eps = self.context.draw(self.layer_id, rows, (self.z_mean.shape[0],), device)
+            eps = eps.to(self.z_mean.dtype)  # drawn in fp32; bf16 after bnn.to(torch.bfloat16)
             z0 = self.z_mean + times_knob(self.z_std, self) * eps
             return self.flow(z0)[0]
 
