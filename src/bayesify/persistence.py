@@ -400,9 +400,10 @@ def _load_posterior(base_model: nn.Module, directory: str | os.PathLike, *, outp
     from safetensors import SafetensorError
     from safetensors.torch import load as deserialise
 
-    from bayesify.core.factory import bayesify
+    from bayesify.core.factory import bayesify, parallel_module
     from bayesify.core.registry import get_method_class
 
+    base_model = parallel_module(base_model)
     directory = Path(directory)
     manifest = read_manifest(directory)
     verify_signature(manifest, signing_key, directory / MANIFEST_FILE)

@@ -50,6 +50,7 @@ def bayesify(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"bayesify expects a torch.nn.Module, got {type(model).__name__}")
+    model = parallel_module(model)
     if isinstance(model, BayesianModel):
         raise BayesifyError(
             "the model is already bayesified (a BayesianModel); call .unwrap() to get "
@@ -114,6 +115,22 @@ def bayesify(
                                                                        False))
     family.prepare(bnn)
     return bnn
+
+
+def parallel_module(model: nn.Module) -> nn.Module:
+    """The network inside an ``nn.DataParallel`` / ``DistributedDataParallel`` wrapper (a
+    checkpoint loaded as it was trained), logged; any other module as it is. The wrapper
+    adds nothing bayesify needs (``fit`` runs data-parallel under ``torchrun`` itself), and
+    torch's functional calls refuse it (SWAG failed mid-fit: "The stateless API can't be
+    used with nn.DataParallel module"). The posterior is then the inner network's: save,
+    load and export it with the inner network (``load_posterior`` unwraps the same way)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, (nn.DataParallel, DistributedDataParallel)):
+        logger.info("bayesify: %s wraps the network; its .module (%s) is used",
+                    type(model).__name__, type(model.module).__name__)
+        model = model.module
+    return model
 
 
 def _heads_need_a_classifier(model: nn.Module, method: str, config: MethodConfig, *,
