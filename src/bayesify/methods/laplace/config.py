@@ -18,8 +18,10 @@ CURVATURES = ("auto", "ggn", "features")
 def auto_structure(classifier: Any, max_full_params: int = AUTO_FULL_PARAMS) -> str:
     """What ``structure='auto'`` resolves to for the one Linear target ``classifier`` (None:
     a subnetwork): full up to :data:`AUTO_FULL_PARAMS` parameters (and the config's
-    ``max_full_params``), kron above."""
-    if classifier is None:
+    ``max_full_params``), kron above; diag for a one-logit classifier (a binary model whose
+    ``output_fn`` makes the two-class logits ``[0, z]``: the layer's output is not the logits,
+    so its posterior is the subnetwork's, through the model's Jacobian)."""
+    if classifier is None or getattr(classifier, "out_features", 2) == 1:
         return "diag"
     params = sum(p.numel() for p in classifier.parameters())
     return "full" if params <= min(AUTO_FULL_PARAMS, max_full_params) else "kron"

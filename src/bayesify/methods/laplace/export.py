@@ -190,5 +190,6 @@ def export_laplace(bnn: BayesianModel, config: LaplaceConfig, *, samples_per_com
         "torch.export cannot trace; export a last-layer Laplace (targets='last_layer' on "
         "a model with one classifier, structure kron/diag/full) instead. (A distilled "
         "model, whose logits average two heads, gets the subnetwork posterior over both "
-        "from targets='last_layer'.)"
+        "from targets='last_layer', and a one-logit binary classifier made two-class by "
+        "output_fn gets it by default: export another family there, e.g. 'ensemble'.)"
     )

@@ -250,11 +250,14 @@ class LaplaceStep(CurvatureStep):
         a, out = layer.captured
         if check and (a.dim() != 2 or not same_softmax(out, logits)):
             if self.config.structure != "diag":
+                advice = ("name the classifier in targets=[...] or use structure='diag'"
+                          if out.shape[-1] == logits.shape[-1] else
+                          "its output is not the logits (a one-logit classifier that output_fn "
+                          "makes two-class, say): use structure='diag' (or 'auto')")
                 raise BayesifyError(
                     "last-layer Laplace needs the wrapped Linear to produce the model's logits "
                     f"from [B, D] features (saw input {tuple(a.shape)}, output {tuple(out.shape)}, "
-                    f"logits {tuple(logits.shape)}); name the classifier in targets=[...] or use "
-                    "structure='diag'"
+                    f"logits {tuple(logits.shape)}); {advice}"
                 )
             return None
         return curv.augmented_features(a, layer.has_bias)
