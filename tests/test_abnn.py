@@ -161,3 +161,50 @@ def test_export_equals_in_process(tmp_path):
     torch.testing.assert_close(probs, reference.probs, atol=1e-5, rtol=0)
     torch.testing.assert_close(epistemic, reference.epistemic, atol=1e-5, rtol=0)
     assert reference.epistemic.min() > 0
+
+
+class NotFrozenBatchNorm(nn.Module):
+    """Named like a frozen BatchNorm, with its buffers, computing something else."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        for name in ("weight", "running_var"):
+            self.register_buffer(name, torch.ones(c))
+        for name in ("bias", "running_mean"):
+            self.register_buffer(name, torch.zeros(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2.0 * x
+
+
+NotFrozenBatchNorm.__name__ = "FrozenBatchNorm2d"
+
+
+def test_frozen_batchnorm_is_a_target_and_zero_noise_is_the_network():
+    """torchvision's ``FrozenBatchNorm2d`` (γ, β and statistics as buffers; detection
+    backbones, timm's ``freeze_batch_norm_2d``): wrapped like BatchNorm — before, 'no layer
+    matched' — with σ = 0 the network to float rounding, and the members' γ, β train; a
+    module only named so is left alone."""
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    from bayesify import fit
+
+    net = pretrained_normnet()
+    frozen = FrozenBatchNorm2d(8)
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        getattr(frozen, name).copy_(getattr(net.bn, name).detach())
+    net.bn = frozen
+    x = torch.randn(5, 2, 6, 6)
+    with torch.no_grad():
+        expected = net(x)
+    bnn = bayesify(net, "abnn", noise_std=0.0)
+    assert bnn.targets == ["bn", "gn", "ln2d", "ln"]
+    with torch.no_grad():  # to float rounding: its formula is not batch_norm's kernel
+        torch.testing.assert_close(bnn.eval()(x), expected, rtol=1e-6, atol=1e-6)
+    trained = bayesify(net, "abnn")
+    before = trained.bayesian_layers()["bn"].member_weight.detach().clone()
+    fit(trained, [(x, torch.randint(0, 4, (5,)))], n_train=5, epochs=2, progress=False)
+    assert not torch.equal(trained.bayesian_layers()["bn"].member_weight.detach(), before)
+    net.bn = NotFrozenBatchNorm(8)
+    assert norm_axis(net.bn) is None
+    assert "bn" not in bayesify(net, "abnn").targets

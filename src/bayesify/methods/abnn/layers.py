@@ -12,7 +12,10 @@ Which modules are wrapped is decided by what they compute, not by their class na
 BatchNorm / LayerNorm / GroupNorm (or a subclass, e.g. timm's ``LayerNorm2d``) is a target
 when its output on a probe input equals the plain normalisation over the channel axis 1
 or the last axis (:func:`norm_axis`); a subclass that adds an activation (timm's
-``BatchNormAct2d``) is not, because this layer would drop the activation.
+``BatchNormAct2d``) is not, because this layer would drop the activation. A
+``FrozenBatchNorm2d`` (torchvision's, timm's: γ, β and the statistics as buffers) is a
+target on the same test; its members' γ, β are parameters like any other's (σ = 0 gives
+the network to float rounding there: its own formula is not the batch_norm kernel).
 """
 
 from __future__ import annotations
@@ -33,7 +36,18 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.L
                                            nn.GroupNorm)
 
 
+def frozen_batchnorm(module: nn.Module) -> bool:
+    """A ``FrozenBatchNorm2d`` (torchvision's detection backbones, timm's
+    ``freeze_batch_norm_2d``): BatchNorm in eval mode whose γ, β and statistics are buffers.
+    :func:`norm_axis` still checks that it computes the plain normalisation."""
+    return (type(module).__name__ == "FrozenBatchNorm2d"
+            and all(isinstance(getattr(module, name, None), torch.Tensor)
+                    for name in ("weight", "bias", "running_mean", "running_var")))
+
+
 def _channels(module: nn.Module) -> int:
+    if frozen_batchnorm(module):
+        return int(module.weight.shape[0])
     if isinstance(module, nn.LayerNorm):
         return int(module.normalized_shape[0])
     if isinstance(module, nn.GroupNorm):
@@ -66,17 +80,17 @@ def _normalise(module: nn.Module, x: torch.Tensor, axis: int, weight: torch.Tens
         return F.layer_norm(moved, module.normalized_shape, weight, bias, module.eps).movedim(-1, 1)
     if isinstance(module, nn.GroupNorm):
         return F.group_norm(x, module.num_groups, weight, bias, module.eps)
-    stats = module.running_mean is None or training
-    momentum = 0.1 if module.momentum is None else module.momentum
+    stats = module.running_mean is None or (training and not frozen_batchnorm(module))
+    momentum = getattr(module, "momentum", None)
     return F.batch_norm(x, module.running_mean, module.running_var, weight, bias, stats,
-                        momentum, module.eps)
+                        0.1 if momentum is None else momentum, float(getattr(module, "eps", 1e-5)))
 
 
 def norm_axis(module: nn.Module) -> int | None:
     """The channel axis (1 or −1) of a normalisation layer whose output is the plain
     normalisation with its affine parameters, else ``None`` (not a normalisation layer, a
     multi-dimensional LayerNorm shape, or a subclass computing something else)."""
-    if not isinstance(module, NORM_TYPES):
+    if not isinstance(module, NORM_TYPES) and not frozen_batchnorm(module):
         return None
     if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
         return None
@@ -104,7 +118,8 @@ class PlainNorm(metaclass=_NormProbe):
     normalisation (``isinstance`` runs :func:`norm_axis`)."""
 
     #: how errors name the layers this key matches
-    display_name = "BatchNorm / LayerNorm / GroupNorm (the plain normalisation)"
+    display_name = ("BatchNorm / LayerNorm / GroupNorm / FrozenBatchNorm2d (the plain "
+                    "normalisation)")
 
 
 class BayesNormLayer(BayesianLayer):
