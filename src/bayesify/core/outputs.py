@@ -131,6 +131,26 @@ def same_softmax(out: Any, logits: torch.Tensor, *, atol: float = 1e-4) -> bool:
     return bool(spread <= atol * (1.0 + out.detach().double().abs().max()))
 
 
+def classifier_rows(a: torch.Tensor, out: torch.Tensor,
+                    logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The classifier's input and output rows that make the model's ``logits [B, C]``: ``(a,
+    out)`` as they are for ``out [B, C]``; for a classifier applied at every position and
+    then gathered (``out [B, L, C]``: a decoder's ``score`` in transformers'
+    ``GPT2ForSequenceClassification``, Llama's, Qwen's — the last non-padding token), the
+    position of each row whose output gives the logits (up to a constant per row, as
+    :func:`same_softmax`; its check follows). Traceable by ``torch.export``."""
+    if not (isinstance(out, torch.Tensor) and isinstance(a, torch.Tensor)
+            and out.dim() == 3 and logits.dim() == 2 and a.dim() == 3
+            and out.shape[0] == logits.shape[0] == a.shape[0] and out.shape[1] == a.shape[1]
+            and out.shape[-1] == logits.shape[-1]):
+        return a, out
+    centred = out - out.mean(-1, keepdim=True)
+    target = (logits - logits.mean(-1, keepdim=True)).to(centred.dtype).unsqueeze(1)
+    position = (centred - target).abs().amax(-1).argmin(-1)
+    rows = torch.arange(out.shape[0], device=out.device)
+    return a[rows, position], out[rows, position]
+
+
 def check_not_probabilities(logits: torch.Tensor, *, where: str) -> None:
     """Refuse an output whose every row is a probability vector (a softmax output).
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from bayesify.core.outputs import logits_of
+from bayesify.core.outputs import classifier_rows, logits_of
 from bayesify.core.walker import replace_modules
 from bayesify.errors import BayesifyError
 from bayesify.kit import feature_layers as trunk
@@ -115,10 +115,12 @@ class LastLayerLaplace(nn.Module):
         return post.full_blocks_variance(feats, self.cov_blocks, self.cov_rows)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        logits_of(self.model(*args, **kwargs))
-        # the classifier's output is the mean (the model's logits up to a constant per row)
+        model_logits = logits_of(self.model(*args, **kwargs))
+        # the classifier's output is the mean (the model's logits up to a constant per row),
+        # at the position that makes them where it runs at every position (a decoder)
         a, self.tap.features = self.tap.features, None
-        logits, self.tap.output = self.tap.output, None
+        out, self.tap.output = self.tap.output, None
+        a, logits = classifier_rows(a, out, model_logits)
         feats = augmented_features(a, self.has_bias).to(self.dtype)
         if self.link == "mc":
             return torch.einsum("bd,scd->sbc", feats, self.weight_samples)

@@ -33,7 +33,7 @@ from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Knob, Step
 from bayesify.core.locks import model_lock
 from bayesify.core.method import Method, wrap_targets
-from bayesify.core.outputs import logits_of
+from bayesify.core.outputs import classifier_rows, logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.core.selection import log_grid, prior_is_negligible
 from bayesify.errors import BayesifyError
@@ -238,10 +238,11 @@ class LaplaceMethod(Method):
         view = state.trunk_posterior(bnn, self.config)
         taps = trunk.Taps(bnn.model, list(self.config.feature_layers)) if view else None
         with state.capturing(layer), taps.installed() if taps else nullcontext():
-            logits_of(call_model(bnn.model, x))
+            model_logits = logits_of(call_model(bnn.model, x))
             # the classifier's output is the GLM's mean: the model's logits, or the same up
-            # to a constant per row (a log_softmax after it; fit checked which)
-            a, logits = layer.captured
+            # to a constant per row (a log_softmax after it; fit checked which), at the
+            # position that makes them where the classifier runs at every position
+            a, logits = classifier_rows(*layer.captured, model_logits)
             feats = curv.augmented_features(a, layer.has_bias)
             psi = taps.features(logits.shape[0], torch.float64, logits.device)[0] if taps else None
         return logits, feats.to(dtype), psi

@@ -19,7 +19,7 @@ from bayesify.core.batch import call_model
 from bayesify.core.checks import check_finite_inputs, check_finite_logits, check_labels
 from bayesify.core.fitting import FitContext
 from bayesify.core.names import in_base_layer
-from bayesify.core.outputs import logits_of, same_softmax
+from bayesify.core.outputs import classifier_rows, logits_of, same_softmax
 from bayesify.core.prediction import Prediction
 from bayesify.errors import BayesifyError
 from bayesify.kit import feature_layers as trunk
@@ -247,7 +247,7 @@ class LaplaceStep(CurvatureStep):
     def _features(self, layer: LaplaceLayer, logits: torch.Tensor, *,
                   check: bool) -> torch.Tensor | None:
         """ã ``[B, D']`` from the captured input, after checking the layer makes the logits."""
-        a, out = layer.captured
+        a, out = classifier_rows(*layer.captured, logits)
         if check and (a.dim() != 2 or not same_softmax(out, logits)):
             if self.config.structure != "diag":
                 advice = ("name the classifier in targets=[...] or use structure='diag'"
