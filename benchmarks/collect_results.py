@@ -71,6 +71,12 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session34.md", "Faults of model and run kinds no test had (distributed streams, "
+             "NCCL counters, decoder and one-logit classifiers, DataParallel, FrozenBatchNorm2d, "
+             "bf16 serving); a clean-budget rule tried and not kept, with why",
+             "EPOCHS=1 OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py NET SEED F.jsonl "
+             "(before: PYTHONPATH=<9b66ca2 worktree>/src); python benchmarks/hf_classes.py gpt2; "
+             "the text is written by hand"),
         Part("session33.md", "A crash hunt on model and loader kinds no test had (distilled "
              "heads, weight/spectral norm, log_softmax endings, streams, one-shot iterators); the "
              "real Lite0 with every family's default budget; EfficientNet-B0 at seed 2",
