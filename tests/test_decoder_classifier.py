@@ -105,3 +105,49 @@ def test_every_default_fits_a_decoder_classifier_with_validation():
         val_loader=DataLoader(Tokens(64, 2), batch_size=32), progress=False)
     probs = bnn.predictor()(_inputs(next(iter(DataLoader(Tokens(8, 1), batch_size=8))))).probs
     assert torch.isfinite(probs).all() and probs.shape == (8, 3)
+
+
+def _fitted(net: nn.Module, family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    bnn = bayesify(net, family)
+    bnn.record = fit(bnn, DataLoader(Tokens(96, 0), batch_size=32),
+                     val_loader=DataLoader(Tokens(64, 2), batch_size=32), epochs=1,
+                     progress=False)
+    return bnn
+
+
+@pytest.mark.parametrize("family", ["ibnn", "swag", "rank1"])
+def test_member_wise_heads_on_a_decoder_are_those_of_the_gathered_classifier(family):
+    """Every family's member-wise Laplace heads (on by default) read the classifier's input at
+    the gathered position, as the laplace family does: the same posterior and predictive as
+    the network with the gather before its classifier. Before, the heads were turned off on
+    decoders ("gives (4, 10, 3), not the model's logits (4, 3)") and the families predicted
+    without the spread that grows off the data."""
+    from bayesify.kit import laplace_heads
+
+    ours, theirs = _fitted(_decoder(), family), _fitted(GatherFirst(_decoder()), family)
+    assert laplace_heads.fitted(ours) and laplace_heads.fitted(theirs)
+    assert ours.record[-1]["heads_prior_precision"] == theirs.record[-1]["heads_prior_precision"]
+    batch = _inputs(next(iter(DataLoader(Tokens(8, 1), batch_size=8))))
+    got, want = ours.predictor()(batch), theirs.predictor()(batch)
+    torch.testing.assert_close(got.probs, want.probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.epistemic, want.epistemic, rtol=1e-4, atol=1e-6)
+
+
+def test_decoder_heads_export_equals_in_process_and_epinet_fits_its_heads(tmp_path):
+    from bayesify.kit import laplace_heads
+    from bayesify.predict.export import export_predictor, run_exported
+
+    batch = _inputs(next(iter(DataLoader(Tokens(8, 1), batch_size=8))))
+    bnn = _fitted(_decoder(), "ibnn")
+    got = bnn.predictor()(batch)
+    path = tmp_path / "decoder_heads.pt2"
+    export_predictor(bnn.predictor(), path, batch)
+    probs, epistemic = run_exported(path, batch)
+    torch.testing.assert_close(probs, got.probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(epistemic, got.epistemic, rtol=1e-4, atol=1e-5)
+    # the epinet's one-forward members need the classifier's output to be the logits; on a
+    # decoder its members run tiled and the heads read the gathered rows like any family's
+    epinet = _fitted(_decoder(), "epinet")
+    assert laplace_heads.fitted(epinet)
+    assert torch.isfinite(epinet.predictor()(batch).probs).all()

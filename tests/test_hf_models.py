@@ -86,18 +86,21 @@ def test_a_vit_that_reads_its_projection_dtype_fits(method) -> None:
     assert torch.isfinite(probs).all() and probs.shape == (4, 3)
 
 
-def test_a_token_level_score_layer_turns_the_default_heads_off(caplog) -> None:
-    """GPT-2's ``score`` gives ``[B, T, C]``, the model ``[B, C]``: the default heads are off
-    from the first batch (warned, naming the layer), the fit finishes; ``laplace`` reads the
-    gathered position's features (tests/test_decoder_classifier.py; it refused before)."""
+def test_a_token_level_score_layer_keeps_the_default_heads(caplog) -> None:
+    """GPT-2's ``score`` gives ``[B, T, C]``, the model ``[B, C]`` (the last non-padding
+    token gathered): the default heads read the gathered position's features
+    (``core.outputs.classifier_rows``; tests/test_decoder_classifier.py) — before the
+    thirty-fifth stop they were turned off from the first batch; ``laplace`` reads them too
+    (it refused before the thirty-fourth)."""
+    from bayesify.kit import laplace_heads
+
     train = DataLoader(_Tokens(32, 0), batch_size=16)
     val = DataLoader(_Tokens(24, 1), batch_size=12)
     with caplog.at_level(logging.WARNING, logger="bayesify"):
         bnn = bayesify(_gpt2(), "ibnn")
         fit(bnn, train, val_loader=val, epochs=1, progress=False)
-    assert not bnn.posterior_config.laplace_heads
-    said = [r.getMessage() for r in caplog.records if "Laplace heads" in r.getMessage()]
-    assert said and "'score'" in said[0] and "(4, 8, 3)" in said[0]
+    assert bnn.posterior_config.laplace_heads and laplace_heads.fitted(bnn)
+    assert not [r for r in caplog.records if "Laplace heads" in r.getMessage()]
     laplace = bayesify(_gpt2(), "laplace")
     fit(laplace, train, val_loader=val, progress=False)
     assert laplace.method.config.structure in ("kron", "full")  # the last-layer GLM

@@ -60,7 +60,7 @@ from bayesify.core.extensions import provide
 from bayesify.core.fitting import FitContext, Knob
 from bayesify.core.locks import model_lock
 from bayesify.core.names import BASE_LAYER, base_name
-from bayesify.core.outputs import logits_of
+from bayesify.core.outputs import classifier_rows, logits_of
 from bayesify.core.prediction import Prediction, gaussian_expected_entropy
 from bayesify.core.selection import log_grid, prior_is_negligible
 from bayesify.core.state import derived
@@ -138,15 +138,16 @@ def classifier_module(bnn: BayesianModel) -> nn.Module:
 
 @contextlib.contextmanager
 def watching_classifier(bnn: BayesianModel) -> Iterator[list[Any]]:
-    """While open, the outputs of the classifier the heads would sit on (empty where the
-    heads are off or the model has no Linear): read by :func:`settle` after a forward."""
+    """While open, the ``(input, output)`` of every call of the classifier the heads would sit
+    on (empty where the heads are off or the model has no Linear): read by :func:`settle`
+    after a forward."""
     seen: list[Any] = []
     name = find_classifier(bnn.model) if enabled(bnn) else None
     if name is None:
         yield seen
         return
     handle = classifier_module(bnn).register_forward_hook(
-        lambda _module, _inputs, output: seen.append(output))
+        lambda _module, inputs, output: seen.append((inputs[0] if inputs else None, output)))
     try:
         yield seen
     finally:
@@ -156,15 +157,18 @@ def watching_classifier(bnn: BayesianModel) -> Iterator[list[Any]]:
 def settle(bnn: BayesianModel, seen: list[Any], logits: torch.Tensor) -> None:
     """Before a fit's first step (``fit`` calls it on the first batch, the model's mean
     network in eval mode): the heads need the classifier :func:`find_classifier` names to
-    give the model's logits (``seen``: its outputs in that forward, :func:`watching_classifier`).
-    A model whose last Linear is elsewhere (a convolutional classifier after a trunk with
+    give the model's logits (``seen``: its calls in that forward, :func:`watching_classifier`)
+    — directly, or at one position per example (a decoder's classifier at every token, the
+    last one gathered: :func:`~bayesify.core.outputs.classifier_rows`). A model whose last Linear is elsewhere (a convolutional classifier after a trunk with
     Linear layers, a head followed by more computation) would fail only after the whole
     fit: heads on by the family's default are turned off here with a warning; asked for
     (``laplace_heads=True``), it is an error before anything has trained."""
     if not enabled(bnn):
         return
     name = find_classifier(bnn.model)
-    got = seen[-1] if seen else None
+    a, got = seen[-1] if seen else (None, None)
+    if isinstance(got, torch.Tensor) and isinstance(a, torch.Tensor):
+        got = classifier_rows(a, got, logits)[1]
     if isinstance(got, torch.Tensor) and got.shape == logits.shape and torch.allclose(
             got.float(), logits.float(), atol=1e-4, rtol=1e-4):
         return
@@ -225,10 +229,12 @@ def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, m
     hook on the classifier, or the family's own ``heads_features`` — φ ``[B, D]`` shared by
     every member that adds a term after the classifier (the epinet: ``f_m = Wφ + b + δ_m(φ)``;
     δ_m does not depend on the head's weights, so the GLM is the same), or ``[M, B, D]`` where
-    the members cannot run under the hook together (SWAG's vmapped samples)."""
+    the members cannot run under the hook together (SWAG's vmapped samples); where it gives
+    None, the hook.""" 
     own = getattr(bnn.method, "heads_features", None)
-    if own is not None:
-        phi, logits = own(bnn, x, samples_per_component=samples_per_component, seed=seed)
+    got = own(bnn, x, samples_per_component=samples_per_component, seed=seed) if own else None
+    if got is not None:
+        phi, logits = got
         feats = torch.cat([phi, torch.ones_like(phi[..., :1])], dim=-1)
         if feats.dim() == 3:
             return feats, logits
@@ -238,7 +244,8 @@ def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, m
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def hook(_: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-        seen.append((inputs[0].detach(), logits_of(output).detach()))
+        out = output if isinstance(output, torch.Tensor) and output.dim() == 3 else logits_of(output)
+        seen.append((inputs[0].detach(), out.detach()))
 
     handle = module.register_forward_hook(hook)
     try:
@@ -256,6 +263,8 @@ def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, m
                             "in the family's member forward")
     feats = torch.cat([s[0] for s in seen])
     outs = torch.cat([s[1] for s in seen])
+    # a decoder's classifier at every position: the rows the model gathers
+    feats, outs = classifier_rows(feats, outs, logits.reshape(m * b, c))
     if feats.dim() != 2 or outs.shape != (m * b, c) or not torch.allclose(
             outs.reshape(m, b, c).float(), logits.float(), atol=1e-4, rtol=1e-4):
         raise BayesifyError(

@@ -41,14 +41,18 @@ if TYPE_CHECKING:
 
 
 class LogitsAndFeatures(nn.Module):
-    """Stands in for a copy of the classifier: ``a [R, D] → [R, C + D]`` = ``[f(a), a]``."""
+    """Stands in for a copy of the classifier: ``a [R, D] → [R, C + D]`` = ``[f(a), a]`` (at
+    every position, ``[R, L, C + D]``, for a decoder's classifier)."""
 
     def __init__(self, classifier: nn.Module) -> None:
         super().__init__()
         self.classifier = classifier
 
     def forward(self, a: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        logits = logits_of(self.classifier(a, *args, **kwargs))
+        out = self.classifier(a, *args, **kwargs)
+        # a decoder's classifier at every position ([R, L, C]): the model's own gather of the
+        # last token picks the features of the same row
+        logits = out if isinstance(out, torch.Tensor) and out.dim() == a.dim() == 3 else logits_of(out)
         return torch.cat([logits, a.to(logits.dtype)], dim=-1)
 
 

@@ -36,6 +36,11 @@ def epinet_layer(model: nn.Module) -> EpinetLayer:
     return next(m for m in model.modules() if isinstance(m, EpinetLayer))
 
 
+#: ``bnn.runtime`` flag: the model's logits are not its classifier's output (a decoder's
+#: classifier at every token, the last one gathered), so :func:`capture` gives None for it
+_NO_CAPTURE = "epinet_no_capture"
+
+
 def capture(model: nn.Module, layer: EpinetLayer, inputs: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(base logits [B, C], φ [B, F])`` from one forward of ``model`` with the epinet
     layer in capture mode; ``None`` when the model's logits are not the classifier's output."""
@@ -160,30 +165,29 @@ class EpinetMethod(SpreadKnob, Method):
         return got[1]
 
     def heads_features(self, bnn: BayesianModel, x: Any, *, samples_per_component: int,
-                       seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       seed: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(φ [B, D], f [M, B, C])``: the classifier's input, shared by every member, and the
         members' logits, for member-wise Laplace heads (:func:`bayesify.kit.laplace_heads.
         member_features`: the heads' GLM is the classifier's; the epinet's term is added to
-        each member's mean)."""
-        got = self._members(bnn, x, samples_per_component=samples_per_component, seed=seed)
-        if got is None:
-            raise BayesifyError(
-                "laplace_heads needs the epinet's classifier output to be the model's logits (a "
-                "step after the classifier hides the features the heads read); use "
-                "laplace_heads=False")
-        return got
+        each member's mean). None where the model's logits are not the classifier's output
+        (a decoder's classifier at every token, the last one gathered): the members run
+        tiled, and the heads read the classifier's rows as for any family."""
+        return self._members(bnn, x, samples_per_component=samples_per_component, seed=seed)
 
     def _members(self, bnn: BayesianModel, x: Any, *, samples_per_component: int,
                  seed: int | None, deterministic: bool = False,
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(φ [B, D], f [M, B, C])`` from one base forward in capture mode (None when the
         model's logits are not the classifier's output); deterministic: every member the base."""
+        if bnn.runtime.get(_NO_CAPTURE):  # known: the members run tiled (no wasted forward)
+            return None
         layer = epinet_layer(bnn.model)
         num_members = self.components * samples_per_component
         with bnn.context.use(torch.zeros(batch_rows(x), dtype=torch.long, device=batch_device(x)),
                              deterministic=deterministic):
             got = capture(bnn.model, layer, x)
         if got is None:
+            bnn.runtime[_NO_CAPTURE] = True
             return None
         base, phi = got
         if deterministic or bnn.context.deterministic:

@@ -24,7 +24,7 @@ from bayesify.core.batch import Batch, batch_rows, call_model, model_ready
 from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Knob, Step
 from bayesify.core.method import Method
-from bayesify.core.outputs import logits_of
+from bayesify.core.outputs import classifier_rows, logits_of
 from bayesify.core.selection import log_grid
 from bayesify.errors import BayesifyError
 from bayesify.kit.family import add_modules
@@ -142,13 +142,16 @@ class SWAGMethod(Method):
             bn_stats = self.member_batchnorm(bnn, samples_per_component, seed)
             states = [{**self.sample(bnn, m, seed), **bn_stats[m]}
                       for m in range(samples_per_component)]
-        seen: list[torch.Tensor] = []
+        calls: list[tuple[torch.Tensor, Any]] = []
         handle = classifier_module(bnn).register_forward_hook(
-            lambda _module, inputs, _output: seen.append(inputs[0].detach()))
+            lambda _module, inputs, output: calls.append((inputs[0].detach(), output)))
         try:
             logits = _evaluate(bnn, states, x, vectorize=False)  # one by one: the hook sees each
         finally:
             handle.remove()
+        # a decoder's classifier at every position: the rows the model gathers
+        seen = [classifier_rows(a, out, z)[0] if isinstance(out, torch.Tensor) else a
+                for (a, out), z in zip(calls, logits, strict=False)]
         if len(seen) != len(states) or any(f.dim() != 2 for f in seen):
             raise BayesifyError(
                 "laplace_heads needs SWAG's classifier (a Linear on [B, D] features) to run "
