@@ -43,7 +43,7 @@ class _Distilled(nn.Module):
             self.get_classifier = lambda: (getattr(self, names[0]), getattr(self, names[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.norm(torch.relu(self.trunk(x)).view(len(x), 2, 8))
+        tokens = self.norm(torch.relu(self.trunk(x)).view(-1, 2, 8))
         first, second = (getattr(self, n) for n in self.names)
         return (first(tokens[:, 0]) + second(tokens[:, 1])) / 2
 
@@ -124,3 +124,57 @@ def test_a_distilled_laplace_saved_and_loaded_predicts_the_same(tmp_path):
     again = load_posterior(base, tmp_path / "p")
     x, _ = next(iter(_data(32, seed=2)))
     assert torch.allclose(again.predictor()(x).probs, bnn.predictor()(x).probs, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["ensemble", "ibnn"])
+def test_every_familys_heads_sit_on_both_heads_of_a_distilled_model(family):
+    """The member-wise Laplace heads (on by default) of a model whose logits are the mean of
+    two heads: one joint classifier ``f = [W_1 W_2] [a_1/2; a_2/2] + b̄`` (``laplace_heads.
+    joint_rows``) — its features are both heads' inputs, halved, and a 1 (brute force from
+    the model's tokens), its curvature their sum over the training data. Before the
+    thirty-fifth stop the heads were turned off on such a model ("the model's last Linear
+    'head_dist' gives other values than the model's logits") and every family predicted
+    without the spread that grows off the data."""
+    from bayesify.kit import laplace_heads as heads
+
+    model = _trained(_Distilled())
+    # the ensemble on the last layer alone: its members share the trunk and the first head
+    options = {"targets": "last_layer"} if family == "ensemble" else {}
+    bnn = bayesify(copy.deepcopy(model), family, **options)
+    fit(bnn, _data(), val_loader=_data(60, seed=1), epochs=1, progress=False)
+    assert heads.fitted(bnn)
+    x, _ = next(iter(_data(32, seed=2)))
+    bnn.eval()
+    feats, logits = heads.member_features(bnn, x, samples_per_component=1, max_rows=4096, seed=0)
+    with torch.no_grad():
+        tokens = model.norm(torch.relu(model.trunk(x)).view(-1, 2, 8))
+    want = torch.cat([tokens[:, 0] / 2, tokens[:, 1] / 2, torch.ones(len(x), 1)], dim=-1)
+    assert feats.shape[-1] == 8 + 8 + 1 and logits.shape == (feats.shape[0], len(x), 3)
+    if family == "ensemble":  # the members share the trunk: the same features
+        for m in range(feats.shape[0]):
+            torch.testing.assert_close(feats[m].float(), want, rtol=1e-5, atol=1e-6)
+    # the curvature is the joint features' (the feature curvature: A = Σ ã ãᵀ per component)
+    train_x = _data().dataset.tensors[0]
+    all_feats, _ = heads.member_features(bnn, train_x, samples_per_component=1,
+                                         max_rows=1 << 20, seed=heads.HEAD_SEED)
+    a = dict(bnn.state.named_buffers())[heads._A]
+    assert a.shape[-1] == 17
+    if family == "ensemble":
+        first = all_feats[0].double()
+        torch.testing.assert_close(a[0], first.T @ first, rtol=1e-5, atol=1e-6)
+    assert float(bnn.predictor()(x).epistemic.mean()) > 0
+
+
+@pytest.mark.parametrize("family", ["ibnn", "swag"])
+def test_distilled_heads_export_equals_in_process(family, tmp_path):
+    from bayesify.predict.export import export_predictor, run_exported
+
+    bnn = bayesify(_trained(_Distilled()), family)
+    fit(bnn, _data(), val_loader=_data(60, seed=1), epochs=1, progress=False)
+    x, _ = next(iter(_data(32, seed=2)))
+    got = bnn.predictor()(x)
+    path = tmp_path / "distilled.pt2"
+    export_predictor(bnn.predictor(), path, x)
+    probs, epistemic = run_exported(path, x)
+    torch.testing.assert_close(probs, got.probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(epistemic, got.epistemic, rtol=1e-4, atol=1e-5)

@@ -60,11 +60,11 @@ from bayesify.core.extensions import provide
 from bayesify.core.fitting import FitContext, Knob
 from bayesify.core.locks import model_lock
 from bayesify.core.names import BASE_LAYER, base_name
-from bayesify.core.outputs import classifier_rows, logits_of
+from bayesify.core.outputs import classifier_rows
 from bayesify.core.prediction import Prediction, gaussian_expected_entropy
 from bayesify.core.selection import log_grid, prior_is_negligible
 from bayesify.core.state import derived
-from bayesify.core.walker import find_classifier
+from bayesify.core.walker import classifier_group, find_classifier
 from bayesify.errors import BayesifyError
 from bayesify.kit import feature_layers as trunk
 from bayesify.kit.knobs import MemberTemperature
@@ -127,48 +127,119 @@ def fitted(bnn: BayesianModel) -> bool:
     return _FITTED in dict(bnn.state.named_buffers()) and bool(bnn.state.value(_FITTED))
 
 
-def classifier_module(bnn: BayesianModel) -> nn.Module:
-    """The (wrapped) classifier module whose input is φ and whose output is the logits."""
+def classifier_names(bnn: BayesianModel) -> list[str]:
+    """The (base) names of the classifiers the heads sit on: the one :func:`find_classifier`
+    names, or a distilled model's heads whose mean is the logits
+    (:func:`~bayesify.core.walker.classifier_group`: timm's DeiT/LeViT distilled, Hugging
+    Face's ``…WithTeacher``); empty where the model has no Linear."""
+    group = [base_name(n) for n in classifier_group(bnn.model)]
+    if len(group) > 1:
+        return group
     name = find_classifier(bnn.model)
-    if name is None:
+    return [] if name is None else [base_name(name)]
+
+
+def classifier_modules(bnn: BayesianModel) -> list[nn.Module]:
+    """The (wrapped) classifier modules of :func:`classifier_names`: their inputs are φ,
+    their output (their mean) the logits."""
+    names = classifier_names(bnn)
+    if not names:
         raise BayesifyError("laplace_heads needs a Linear classifier in the model; none found")
-    module = bnn.model.get_submodule(base_name(name)) if base_name(name) else bnn.model
-    return module
+    return [bnn.model.get_submodule(n) if n else bnn.model for n in names]
+
+
+def classifier_shape(bnn: BayesianModel) -> tuple[int | None, int | None]:
+    """``(D, C)`` of the heads' classifier: its inputs (a distilled model's heads: their
+    sum, :func:`joint_rows`) and classes; None where a module is not a Linear."""
+    linears = [getattr(m, BASE_LAYER, m) for m in classifier_modules(bnn)]
+    inputs = [getattr(m, "in_features", None) for m in linears]
+    classes = getattr(linears[0], "out_features", None)
+    return (None if None in inputs else sum(inputs)), classes
+
+
+def classifier_module(bnn: BayesianModel) -> nn.Module:
+    """The first of :func:`classifier_modules` (the only one but for a distilled model)."""
+    return classifier_modules(bnn)[0]
+
+
+Calls = list[list[tuple[Any, Any]]]
 
 
 @contextlib.contextmanager
-def watching_classifier(bnn: BayesianModel) -> Iterator[list[Any]]:
-    """While open, the ``(input, output)`` of every call of the classifier the heads would sit
-    on (empty where the heads are off or the model has no Linear): read by :func:`settle`
-    after a forward."""
-    seen: list[Any] = []
-    name = find_classifier(bnn.model) if enabled(bnn) else None
-    if name is None:
-        yield seen
-        return
-    handle = classifier_module(bnn).register_forward_hook(
-        lambda _module, inputs, output: seen.append((inputs[0] if inputs else None, output)))
+def classifier_calls(bnn: BayesianModel) -> Iterator[Calls]:
+    """While open, every call's ``(input, output)`` of each of :func:`classifier_modules`
+    (one list per module, in call order): read by :func:`joint_rows` after a forward."""
+    modules = classifier_modules(bnn)
+    calls: Calls = [[] for _ in modules]
+
+    def hook(seen: list[tuple[Any, Any]]) -> Any:
+        def record(_module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            first = inputs[0] if inputs else None
+            seen.append((first.detach() if isinstance(first, torch.Tensor) else first,
+                         output.detach() if isinstance(output, torch.Tensor) else output))
+        return record
+
+    handles = [m.register_forward_hook(hook(seen)) for m, seen in zip(modules, calls, strict=True)]
     try:
-        yield seen
+        yield calls
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
-def settle(bnn: BayesianModel, seen: list[Any], logits: torch.Tensor) -> None:
+def joint_rows(calls: Calls, logits: torch.Tensor) -> tuple[torch.Tensor | None, Any]:
+    """``(a [R, D], out [R, C])``: the classifier's input and output rows whose result is the
+    model's ``logits [R, C]``, from the calls of :func:`classifier_calls` (concatenated in
+    call order) — for a decoder's classifier at every token, the gathered rows
+    (:func:`~bayesify.core.outputs.classifier_rows`); for K heads whose mean the model returns
+    (a distilled model), the joint classifier ``f = [W_1 … W_K] [a_1/K; …; a_K/K] + b̄``:
+    ``[a_1/K, …, a_K/K]`` and the mean of their outputs (its Laplace is one Kronecker pair
+    over both heads' features, and its bias the mean of theirs). ``(None, got)`` where a
+    classifier did not run or gave no tensor (``got``: its last output, or None)."""
+    parts = []
+    for seen in calls:
+        last = seen[-1][1] if seen else None
+        if not seen or not all(isinstance(a, torch.Tensor) and isinstance(o, torch.Tensor)
+                               and o.dim() == a.dim() for a, o in seen):
+            return None, last
+        parts.append(classifier_rows(torch.cat([a for a, _ in seen]),
+                                     torch.cat([o for _, o in seen]), logits))
+    if len(parts) == 1:
+        return parts[0]
+    if any(p[0].dim() != 2 or p[1].shape != parts[0][1].shape for p in parts):
+        return None, parts[-1][1]
+    k = len(parts)
+    return (torch.cat([a / k for a, _ in parts], dim=-1),
+            torch.stack([o for _, o in parts]).mean(0))
+
+
+@contextlib.contextmanager
+def watching_classifier(bnn: BayesianModel) -> Iterator[Calls]:
+    """While open, :func:`classifier_calls` of the classifier(s) the heads would sit on (no
+    calls where the heads are off or the model has no Linear): read by :func:`settle` after
+    a forward."""
+    if not enabled(bnn) or not classifier_names(bnn):
+        yield []
+        return
+    with classifier_calls(bnn) as calls:
+        yield calls
+
+
+def settle(bnn: BayesianModel, seen: Calls, logits: torch.Tensor) -> None:
     """Before a fit's first step (``fit`` calls it on the first batch, the model's mean
     network in eval mode): the heads need the classifier :func:`find_classifier` names to
     give the model's logits (``seen``: its calls in that forward, :func:`watching_classifier`)
-    — directly, or at one position per example (a decoder's classifier at every token, the
-    last one gathered: :func:`~bayesify.core.outputs.classifier_rows`). A model whose last Linear is elsewhere (a convolutional classifier after a trunk with
+    — directly, at one position per example (a decoder's classifier at every token, the
+    last one gathered: :func:`~bayesify.core.outputs.classifier_rows`), or as the mean of a
+    distilled model's heads (:func:`joint_rows`). A model whose last Linear
+    is elsewhere (a convolutional classifier after a trunk with
     Linear layers, a head followed by more computation) would fail only after the whole
     fit: heads on by the family's default are turned off here with a warning; asked for
     (``laplace_heads=True``), it is an error before anything has trained."""
     if not enabled(bnn):
         return
-    name = find_classifier(bnn.model)
-    a, got = seen[-1] if seen else (None, None)
-    if isinstance(got, torch.Tensor) and isinstance(a, torch.Tensor):
-        got = classifier_rows(a, got, logits)[1]
+    names = classifier_names(bnn)
+    got = joint_rows(seen, logits)[1] if seen else None
     if isinstance(got, torch.Tensor) and got.shape == logits.shape and torch.allclose(
             got.float(), logits.float(), atol=1e-4, rtol=1e-4):
         return
@@ -179,8 +250,9 @@ def settle(bnn: BayesianModel, seen: list[Any], logits: torch.Tensor) -> None:
         what = f"gives {shape}, not the model's logits {tuple(logits.shape)}"
     else:
         what = f"gives other values than the model's logits {tuple(logits.shape)}"
-    reason = (f"the layer they would sit on, the model's last Linear {base_name(name or '')!r}, "
-              f"{what}")
+    layer = (f"the model's last Linear {names[0]!r}" if len(names) == 1
+             else f"the mean of the model's heads {names}")
+    reason = f"the layer they would sit on, {layer}, {what}"
     if bnn.runtime.get(HEADS_BY_DEFAULT):
         bnn.method.config = dataclasses.replace(bnn.method.config, laplace_heads=False)
         bnn.runtime[HEADS_BY_DEFAULT] = False
@@ -240,40 +312,34 @@ def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, m
             return feats, logits
         # one φ for every member: a stride-0 view (HeadsPosterior.variances projects it once)
         return feats.unsqueeze(0).expand(logits.shape[0], *feats.shape), logits
-    module = classifier_module(bnn)
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def hook(_: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-        out = output if isinstance(output, torch.Tensor) and output.dim() == 3 else logits_of(output)
-        seen.append((inputs[0].detach(), out.detach()))
-
-    handle = module.register_forward_hook(hook)
     try:
-        logits = bnn.method.member_logits(bnn, x, samples_per_component=samples_per_component,
-                                          max_rows=max_rows, seed=seed, deterministic=False)
+        with classifier_calls(bnn) as calls:
+            logits = bnn.method.member_logits(bnn, x, samples_per_component=samples_per_component,
+                                              max_rows=max_rows, seed=seed, deterministic=False)
     except RuntimeError as err:  # e.g. a member forward under torch.func (swag)
         raise BayesifyError(
             f"laplace_heads cannot read the classifier's features in the member forward of "
             f"{bnn.method_name!r} ({str(err)[:120]}); this family is not supported yet") from err
-    finally:
-        handle.remove()
     m, b, c = logits.shape
-    if not seen:
-        raise BayesifyError(f"laplace_heads: the classifier {type(module).__name__} did not run "
+    if not all(calls):
+        raise BayesifyError(f"laplace_heads: the classifier {classifier_names(bnn)} did not run "
                             "in the family's member forward")
-    feats = torch.cat([s[0] for s in seen])
-    outs = torch.cat([s[1] for s in seen])
-    # a decoder's classifier at every position: the rows the model gathers
-    feats, outs = classifier_rows(feats, outs, logits.reshape(m * b, c))
-    if feats.dim() != 2 or outs.shape != (m * b, c) or not torch.allclose(
+    # a decoder's classifier at every position: the rows the model gathers; a distilled
+    # model's heads: the joint classifier on both heads' features
+    feats, outs = joint_rows(calls, logits.reshape(m * b, c))
+    if feats is None or feats.dim() != 2 or outs.shape != (m * b, c) or not torch.allclose(
             outs.reshape(m, b, c).float(), logits.float(), atol=1e-4, rtol=1e-4):
         raise BayesifyError(
             "laplace_heads needs the classifier (a Linear on [B, D] features) to produce the "
-            f"members' logits; saw input {tuple(feats.shape)}, output {tuple(outs.shape)} for "
+            f"members' logits; saw input {_shape(feats)}, output {_shape(outs)} for "
             f"member logits {tuple(logits.shape)}")
     feats = feats.reshape(m, b, -1)
     feats = torch.cat([feats, torch.ones_like(feats[..., :1])], dim=-1)
     return feats, logits
+
+
+def _shape(value: Any) -> Any:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 @torch.no_grad()
@@ -415,9 +481,7 @@ def restore(bnn: BayesianModel, tensors: dict[str, torch.Tensor], *,
         raise BayesifyError(
             f"the saved laplace_heads state is incomplete: it has {present}, not "
             f"{list(expected)}")
-    module = classifier_module(bnn)
-    linear = getattr(module, BASE_LAYER, module)
-    inputs, classes = getattr(linear, "in_features", None), getattr(linear, "out_features", None)
+    inputs, classes = classifier_shape(bnn)
     components = bnn.method.components
     if full:
         h = tensors[prefix + _H]

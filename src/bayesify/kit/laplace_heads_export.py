@@ -31,7 +31,6 @@ from torch import nn
 from bayesify.core.batch import example_batch
 from bayesify.core.names import BASE_LAYER, base_name
 from bayesify.core.outputs import logits_of
-from bayesify.core.walker import find_classifier
 from bayesify.errors import BayesifyError
 from bayesify.kit import laplace_heads as heads
 from bayesify.kit.knobs import MemberTemperature
@@ -42,18 +41,28 @@ if TYPE_CHECKING:
 
 class LogitsAndFeatures(nn.Module):
     """Stands in for a copy of the classifier: ``a [R, D] → [R, C + D]`` = ``[f(a), a]`` (at
-    every position, ``[R, L, C + D]``, for a decoder's classifier)."""
+    every position, ``[R, L, C + D]``, for a decoder's classifier). One of a distilled
+    model's K heads: ``[f_k(a_k), 0, a_k, 0]``, zeros of the other heads' widths
+    (``before``, ``after``) around its input, so the model's mean of its heads is
+    ``[logits, a_1/K, …, a_K/K]`` — the joint classifier's features
+    (:func:`~bayesify.kit.laplace_heads.joint_rows`)."""
 
-    def __init__(self, classifier: nn.Module) -> None:
+    def __init__(self, classifier: nn.Module, before: int = 0, after: int = 0) -> None:
         super().__init__()
         self.classifier = classifier
+        self.before, self.after = int(before), int(after)
 
     def forward(self, a: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self.classifier(a, *args, **kwargs)
         # a decoder's classifier at every position ([R, L, C]): the model's own gather of the
         # last token picks the features of the same row
         logits = out if isinstance(out, torch.Tensor) and out.dim() == a.dim() == 3 else logits_of(out)
-        return torch.cat([logits, a.to(logits.dtype)], dim=-1)
+        parts = [logits, a.to(logits.dtype)]
+        if self.before or self.after:
+            pad = a.new_zeros(*a.shape[:-1], 1).to(logits.dtype)
+            parts = [logits, pad.expand(*a.shape[:-1], self.before), parts[1],
+                     pad.expand(*a.shape[:-1], self.after)]
+        return torch.cat(parts, dim=-1)
 
 
 class RecordingTap(nn.Module):
@@ -152,18 +161,17 @@ def export_heads(bnn: BayesianModel, *, samples_per_component: int, seed: int,
         _read_features(bnn, family)
     posterior = heads._posterior(bnn)
     tau = bnn.state.get_buffer(heads._TAU).to(posterior.eig)
-    linear = heads.classifier_module(bnn)
-    linear = getattr(linear, BASE_LAYER, linear)
-    if not hasattr(linear, "in_features"):
-        raise BayesifyError(f"laplace_heads: the classifier {type(linear).__name__} is not a "
-                            f"Linear; {heads.NOT_EXPORTED}")
-    tensors = posterior.export_tensors(tau, linear.in_features + 1)
+    inputs, classes = heads.classifier_shape(bnn)
+    if inputs is None or classes is None:
+        raise BayesifyError(f"laplace_heads: the classifier {heads.classifier_names(bnn)} is not "
+                            f"a Linear; {heads.NOT_EXPORTED}")
+    tensors = posterior.export_tensors(tau, inputs + 1)
     view = heads.trunk_posterior(bnn)
     taps = None
     if view is not None:
         tensors.update(view.export_tensors(tau))
         taps = [_tap_copies(bnn, family, name) for name in view.names]
-    module = HeadsMembers(family, num_classes=linear.out_features, tensors=tensors,
+    module = HeadsMembers(family, num_classes=classes, tensors=tensors,
                           member_temperature=temperature, taps=taps,
                           names=view.names if view is not None else None).eval()
     if taps:
@@ -193,20 +201,26 @@ def _tap_copies(bnn: BayesianModel, family: nn.Module, name: str) -> list[Record
 
 
 def _read_features(bnn: BayesianModel, family: nn.Module) -> None:
-    """Replace every copy of the classifier in the family's export module by
-    :class:`LogitsAndFeatures`, so the module's output is ``[M, B, C + D]``."""
+    """Replace every copy of the classifier (of each of a distilled model's heads) in the
+    family's export module by :class:`LogitsAndFeatures`, so the module's output is
+    ``[M, B, C + D]``."""
     method = bnn.method
-    name = base_name(find_classifier(bnn.model) or "")
-    matches = [n for n, _ in family.named_modules()
-               if name and (n == name or n.endswith("." + name))]
-    # the deepest matches: with a classifier named "2" in a Sequential, the stacked
-    # members' container "models.2" matches too, and holds the real copy "models.2.2"
-    copies = [n for n in matches if not any(o.startswith(n + ".") for o in matches)]
-    if not copies:
-        raise BayesifyError(
-            f"laplace_heads: the export module of {method.name!r} holds no copy of the "
-            f"classifier {name!r}, so the heads' features cannot be read; {heads.NOT_EXPORTED}")
-    for qualified in copies:
-        parent_name, _, attr = qualified.rpartition(".")
-        parent = family.get_submodule(parent_name) if parent_name else family
-        setattr(parent, attr, LogitsAndFeatures(getattr(parent, attr)))
+    names = heads.classifier_names(bnn)
+    widths = [getattr(getattr(m, BASE_LAYER, m), "in_features", 0)
+              for m in heads.classifier_modules(bnn)]
+    for k, name in enumerate(names):
+        matches = [n for n, _ in family.named_modules()
+                   if name and (n == name or n.endswith("." + name))]
+        # the deepest matches: with a classifier named "2" in a Sequential, the stacked
+        # members' container "models.2" matches too, and holds the real copy "models.2.2"
+        copies = [n for n in matches if not any(o.startswith(n + ".") for o in matches)]
+        if not copies:
+            raise BayesifyError(
+                f"laplace_heads: the export module of {method.name!r} holds no copy of the "
+                f"classifier {name!r}, so the heads' features cannot be read; "
+                f"{heads.NOT_EXPORTED}")
+        for qualified in copies:
+            parent_name, _, attr = qualified.rpartition(".")
+            parent = family.get_submodule(parent_name) if parent_name else family
+            setattr(parent, attr, LogitsAndFeatures(
+                getattr(parent, attr), before=sum(widths[:k]), after=sum(widths[k + 1:])))

@@ -24,7 +24,7 @@ from bayesify.core.batch import Batch, batch_rows, call_model, model_ready
 from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Knob, Step
 from bayesify.core.method import Method
-from bayesify.core.outputs import classifier_rows, logits_of
+from bayesify.core.outputs import logits_of
 from bayesify.core.selection import log_grid
 from bayesify.errors import BayesifyError
 from bayesify.kit.family import add_modules
@@ -134,7 +134,7 @@ class SWAGMethod(Method):
         """``(φ [M, B, D], f [M, B, C])`` of the sampled networks for member-wise Laplace heads:
         one ``functional_call`` per member with a hook on the classifier (the vmapped
         members of :meth:`member_logits` hide their batched features from a hook)."""
-        from bayesify.kit.laplace_heads import classifier_module
+        from bayesify.kit.laplace_heads import classifier_calls, joint_rows
 
         if self.config.variant == "swa" or not state.fitted(bnn):
             states = [{}]
@@ -142,22 +142,20 @@ class SWAGMethod(Method):
             bn_stats = self.member_batchnorm(bnn, samples_per_component, seed)
             states = [{**self.sample(bnn, m, seed), **bn_stats[m]}
                       for m in range(samples_per_component)]
-        calls: list[tuple[torch.Tensor, Any]] = []
-        handle = classifier_module(bnn).register_forward_hook(
-            lambda _module, inputs, output: calls.append((inputs[0].detach(), output)))
-        try:
-            logits = _evaluate(bnn, states, x, vectorize=False)  # one by one: the hook sees each
-        finally:
-            handle.remove()
-        # a decoder's classifier at every position: the rows the model gathers
-        seen = [classifier_rows(a, out, z)[0] if isinstance(out, torch.Tensor) else a
-                for (a, out), z in zip(calls, logits, strict=False)]
-        if len(seen) != len(states) or any(f.dim() != 2 for f in seen):
-            raise BayesifyError(
-                "laplace_heads needs SWAG's classifier (a Linear on [B, D] features) to run "
-                f"once per sampled network; it ran {len(seen)} times for {len(states)}; use "
-                "laplace_heads=False")
-        return torch.stack(seen), logits
+        seen, outs = [], []
+        for member in states:  # one by one: the hooks see each
+            with classifier_calls(bnn) as calls:
+                logits = _evaluate(bnn, [member], x, vectorize=False)[0]
+            # a decoder's gathered token, a distilled model's heads: the rows of the logits
+            feats = joint_rows(calls, logits)[0] if all(len(c) == 1 for c in calls) else None
+            if feats is None or feats.dim() != 2:
+                raise BayesifyError(
+                    "laplace_heads needs SWAG's classifier (a Linear on [B, D] features) to run "
+                    f"once per sampled network; it ran {[len(c) for c in calls]} times; use "
+                    "laplace_heads=False")
+            seen.append(feats)
+            outs.append(logits)
+        return torch.stack(seen), torch.stack(outs)
 
     def export_module(self, bnn: BayesianModel, *, samples_per_component: int, seed: int,
                       example_input: Any) -> nn.Module:
