@@ -20,6 +20,7 @@ import transformers as T
 from torch.utils.data import DataLoader, Dataset
 
 import bayesify
+from bayesify.kit import laplace_heads
 
 warnings.simplefilter("ignore")
 T.logging.set_verbosity_error()
@@ -35,6 +36,13 @@ class TokDS(Dataset):
         self.ids = torch.where(self.mask.bool(), self.ids, torch.full_like(self.ids, pad))
     def __len__(self): return len(self.y)
     def __getitem__(self, i): return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.y[i]}
+
+class EosDS(TokDS):
+    """TokDS with one <eos> (id 4) closing every sequence (BART pools its state)."""
+    def __init__(self, n, seed):
+        super().__init__(n, seed)
+        last = self.mask.sum(1) - 1
+        self.ids[torch.arange(len(self.ids)), last] = 4
 
 class ImgDS(Dataset):
     def __init__(self, n, seed):
@@ -96,6 +104,47 @@ def build(name):
         cfg = T.DeiTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
                            num_attention_heads=2, intermediate_size=64, num_labels=3)
         return T.DeiTForImageClassificationWithTeacher(cfg), ImgDS
+    # thirty-fifth stop: more heads and poolings
+    if name == "llama":  # a decoder: `score` at every token, the last non-padding one gathered
+        cfg = T.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            max_position_embeddings=32, num_labels=3, pad_token_id=0)
+        return T.LlamaForSequenceClassification(cfg), TokDS
+    if name == "bart":  # encoder-decoder; the <eos> token's state into a dense-tanh-Linear head
+        cfg = T.BartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1,
+                           encoder_attention_heads=2, decoder_attention_heads=2,
+                           encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+                           num_labels=3, pad_token_id=0, eos_token_id=4, bos_token_id=4)
+        return T.BartForSequenceClassification(cfg), EosDS
+    if name == "electra":  # a dense-GELU-Linear head on the first token
+        return T.ElectraForSequenceClassification(T.ElectraConfig(**text, embedding_size=16)), TokDS
+    if name == "mobilebert":  # bottlenecks, NoNorm (an elementwise affine, not a normalisation)
+        cfg = T.MobileBertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=64, embedding_size=16,
+                                 intra_bottleneck_size=16, max_position_embeddings=32,
+                                 num_labels=3, true_hidden_size=16)
+        return T.MobileBertForSequenceClassification(cfg), TokDS
+    if name == "hf_levit_distilled":  # two heads (BatchNorm1d + Linear each) averaged
+        cfg = T.LevitConfig(image_size=32, patch_size=16, hidden_sizes=[32, 48], num_attention_heads=[2, 2],
+                            depths=[1, 1], key_dim=[8, 8], drop_path_rate=0, mlp_ratio=[2, 2],
+                            attention_ratio=[2, 2], num_labels=3, down_ops=[["Subsample", 8, 2, 2, 2, 2]])
+        return T.LevitForImageClassificationWithTeacher(cfg), ImgDS
+    if name == "hf_mobilevit":  # convolutions and transformer blocks, a 1x1 conv before the head
+        cfg = T.MobileViTConfig(image_size=32, patch_size=2, hidden_sizes=[16, 24, 32],
+                                neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 48], num_labels=3)
+        return T.MobileViTForImageClassification(cfg), ImgDS
+    if name == "hf_dinov2":  # the class token concatenated with the mean patch token
+        cfg = T.Dinov2Config(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, mlp_ratio=2, num_labels=3)
+        return T.Dinov2ForImageClassification(cfg), ImgDS
+    if name == "hf_mobilenet_v2":  # depthwise convolutions, ReLU6, TF padding
+        cfg = T.MobileNetV2Config(image_size=32, depth_multiplier=0.35, num_labels=3)
+        return T.MobileNetV2ForImageClassification(cfg), ImgDS
+    if name == "hf_beit":  # relative position bias, layer scale, mean pooling
+        cfg = T.BeitConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, intermediate_size=64, num_labels=3,
+                           use_mean_pooling=True)
+        return T.BeitForImageClassification(cfg), ImgDS
 
 @torch.no_grad()
 def _accuracy(bnn, loader) -> float:
@@ -119,8 +168,10 @@ def main() -> None:
             try:
                 bnn = bayesify.bayesify(model, family)
                 bayesify.fit(bnn, train, val_loader=val, epochs=1, progress=False)
+                heads = (" heads" if laplace_heads.fitted(bnn) else " no heads"
+                         if laplace_heads.enabled(bnn) or family != "laplace" else "")
                 print("OK ", name, family, f"val accuracy {_accuracy(bnn, val):.3f}",
-                      f"{time.time() - began:.1f} s", flush=True)
+                      f"{time.time() - began:.1f} s{heads}", flush=True)
             except Exception as err:  # noqa: BLE001 - a line says what failed
                 print("ERR", name, family, type(err).__name__,
                       str(err)[:300].replace("\n", " "), flush=True)

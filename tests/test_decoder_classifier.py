@@ -135,17 +135,13 @@ def test_member_wise_heads_on_a_decoder_are_those_of_the_gathered_classifier(fam
 
 
 def test_decoder_heads_export_equals_in_process_and_epinet_fits_its_heads(tmp_path):
+    from export_check import assert_export_matches
+
     from bayesify.kit import laplace_heads
-    from bayesify.predict.export import export_predictor, run_exported
 
     batch = _inputs(next(iter(DataLoader(Tokens(8, 1), batch_size=8))))
     bnn = _fitted(_decoder(), "ibnn")
-    got = bnn.predictor()(batch)
-    path = tmp_path / "decoder_heads.pt2"
-    export_predictor(bnn.predictor(), path, batch)
-    probs, epistemic = run_exported(path, batch)
-    torch.testing.assert_close(probs, got.probs, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(epistemic, got.epistemic, rtol=1e-4, atol=1e-5)
+    assert_export_matches(bnn.predictor(), tmp_path / "decoder_heads.pt2", batch)
     # the epinet's one-forward members need the classifier's output to be the logits; on a
     # decoder its members run tiled and the heads read the gathered rows like any family's
     epinet = _fitted(_decoder(), "epinet")

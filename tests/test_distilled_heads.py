@@ -167,14 +167,9 @@ def test_every_familys_heads_sit_on_both_heads_of_a_distilled_model(family):
 
 @pytest.mark.parametrize("family", ["ibnn", "swag"])
 def test_distilled_heads_export_equals_in_process(family, tmp_path):
-    from bayesify.predict.export import export_predictor, run_exported
+    from export_check import assert_export_matches
 
     bnn = bayesify(_trained(_Distilled()), family)
     fit(bnn, _data(), val_loader=_data(60, seed=1), epochs=1, progress=False)
     x, _ = next(iter(_data(32, seed=2)))
-    got = bnn.predictor()(x)
-    path = tmp_path / "distilled.pt2"
-    export_predictor(bnn.predictor(), path, x)
-    probs, epistemic = run_exported(path, x)
-    torch.testing.assert_close(probs, got.probs, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(epistemic, got.epistemic, rtol=1e-4, atol=1e-5)
+    assert_export_matches(bnn.predictor(), tmp_path / "distilled.pt2", x)
