@@ -7,8 +7,11 @@ Found at the thirty-first stop by fitting every family on tiny configurations:
   error to compute with.
 - ``GPT2ForSequenceClassification`` applies its ``score`` Linear to every token and then
   picks each sequence's last one: its output is not the logits, so the families' default
-  Laplace heads failed after the whole fit. They are now turned off at the first batch, with
-  a warning; ``laplace`` (the last-layer family) says why it cannot sit there.
+  Laplace heads failed after the whole fit. They were turned off at the first batch (thirty-
+  first stop); since the thirty-fifth they read the gathered token's features, as ``laplace``
+  does since the thirty-fourth.
+- ``BartForSequenceClassification`` pools the ``<eos>`` token's state: the search's token
+  perturbations must leave every row's edge tokens where they are (thirty-fifth stop).
 """
 
 from __future__ import annotations
@@ -104,3 +107,34 @@ def test_a_token_level_score_layer_keeps_the_default_heads(caplog) -> None:
     laplace = bayesify(_gpt2(), "laplace")
     fit(laplace, train, val_loader=val, progress=False)
     assert laplace.method.config.structure in ("kron", "full")  # the last-layer GLM
+
+
+class _EosTokens(_Tokens):
+    """Every sequence closed by one ``<eos>`` (id 4), as BART's tokenizer does."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        super().__init__(n, seed)
+        self.ids[torch.arange(n), self.mask.sum(1) - 1] = 4
+
+
+def test_bart_whose_classifier_pools_the_eos_token_fits_with_validation() -> None:
+    """``BartForSequenceClassification`` (T5's alike) classifies the ``<eos>`` token's state and
+    raises for a batch whose rows hold different numbers of it; the validation search's token
+    perturbations moved tokens from and into the last position, and every family failed there
+    (thirty-fifth stop, ``benchmarks/hf_classes.py bart``). The edges now stay."""
+    from bayesify.kit import laplace_heads
+
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=50, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        max_position_embeddings=16, num_labels=3, pad_token_id=0, eos_token_id=4, bos_token_id=4)
+    model = transformers.BartForSequenceClassification(config).eval()
+    for family in ("laplace", "ibnn"):
+        bnn = bayesify(model, family)
+        fit(bnn, DataLoader(_EosTokens(32, 0), batch_size=16),
+            val_loader=DataLoader(_EosTokens(24, 1), batch_size=12), epochs=1, progress=False)
+        batch = next(iter(DataLoader(_EosTokens(4, 2), batch_size=4)))
+        batch.pop("labels")
+        assert torch.isfinite(bnn.predictor()(batch).probs).all()
+    assert laplace_heads.fitted(bnn)  # the dense-tanh-Linear head on the <eos> state

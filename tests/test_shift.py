@@ -71,6 +71,33 @@ def test_tokens_are_replaced_but_structure_and_padding_are_not():
     assert (new[:, 1:9] != ids[:, 1:9]).float().mean() > 0.5
 
 
+def test_tokens_keep_every_rows_first_and_last_attended_token_and_take_none_of_them():
+    """``<s> … <eos>`` of every length (right and left padding): the edges stay, no edge token
+    moves into another row, so every row keeps exactly one ``<eos>`` — BART's and T5's
+    classifiers pool its state and refuse a batch whose rows hold different numbers of it
+    ("All examples must have the same number of <eos> tokens": every family's validation
+    search failed on them before)."""
+    g = torch.Generator().manual_seed(1)
+    bos, eos, rows, length = 3, 2, 16, 14
+    ids = torch.randint(5, 1000, (rows, length), generator=g)
+    lens = torch.randint(4, length + 1, (rows,), generator=g)
+    positions = torch.arange(length)
+    for left in (False, True):
+        mask = (positions[None] < lens[:, None]) if not left else (
+            positions[None] >= length - lens[:, None])
+        first = torch.where(mask, positions, length).amin(1)
+        last = torch.where(mask, positions, -1).amax(1)
+        x = torch.where(mask, ids, torch.zeros_like(ids))
+        x[torch.arange(rows), first], x[torch.arange(rows), last] = bos, eos
+        b = Batch((), {"input_ids": x, "attention_mask": mask.long()}, torch.arange(rows))
+        for kind in ("mask", "mix"):
+            new = perturb(b, kind, 0.9, seed=0).kwargs["input_ids"]
+            assert torch.equal((new == eos).sum(1), torch.ones(rows, dtype=torch.long))
+            assert torch.equal((new == bos).sum(1), torch.ones(rows, dtype=torch.long))
+            assert torch.equal(new[~mask], x[~mask])  # padding
+            assert (new[mask] != x[mask]).float().mean() > 0.4  # the content moved
+
+
 def test_signal_copies_are_reproducible_per_batch_position():
     b = _batch(torch.randn(4, 3))
     signal = ShiftSignal({"noise": 1.0, "mix": 0.5}, seed=7)

@@ -14,8 +14,11 @@ domain. Three perturbations, applied to every input tensor of a batch:
 
 Integer inputs (token ids) get the discrete analogue of ``mask`` and ``mix``:
 tokens replaced, with probability ``p`` (``λ``), by the token at the same position
-of another example of the batch; positions where an ``attention_mask`` is 0 and
-the first position (a [CLS]-like token) are kept. ``noise`` leaves integer
+of another example of the batch; positions where an ``attention_mask`` is 0, the
+first position and the first and last attended ones (``[CLS]``/``<s>``,
+``[SEP]``/``<eos>``) are kept, and no token is taken from another example's first or
+last attended position (BART and T5 classify the ``<eos>`` token's state and refuse a
+sequence with more or fewer of them). ``noise`` leaves integer
 tensors as they are. Masks, type ids and booleans are never perturbed.
 
 **How strong.** Mild perturbations do not show the failure that matters: a
@@ -77,9 +80,18 @@ def _perturb_tokens(x: torch.Tensor, kind: str, level: float, g: torch.Generator
         return x
     hit = (torch.rand(x.shape, generator=g) < level).to(x.device)
     hit[:, 0] = False  # a [CLS]-like first token stays
-    if keep is not None and keep.shape == x.shape:
-        hit &= keep.bool()
-    return torch.where(hit, x[perm.to(x.device)], x)
+    attended = (keep.bool().to(x.device) if keep is not None and keep.shape == x.shape
+                else torch.ones(x.shape, dtype=torch.bool, device=x.device))
+    # the first and last attended tokens ([CLS]/<s>, [SEP]/<eos>: BART and T5 classify the
+    # <eos> token's state and refuse a sequence with more or fewer of them) stay, and no
+    # token is taken from another example's first or last
+    index = torch.arange(x.shape[1], device=x.device)
+    first = torch.where(attended, index, x.shape[1]).amin(1, keepdim=True)
+    last = torch.where(attended, index, -1).amax(1, keepdim=True)
+    edge = (index == first) | (index == last)
+    donor = perm.to(x.device)
+    hit &= attended & ~edge & ~edge[donor]
+    return torch.where(hit, x[donor], x)
 
 
 def perturb(batch: Batch, kind: str, level: float, *, seed: int) -> Batch:
