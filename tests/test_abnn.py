@@ -208,3 +208,51 @@ def test_frozen_batchnorm_is_a_target_and_zero_noise_is_the_network():
     net.bn = NotFrozenBatchNorm(8)
     assert norm_axis(net.bn) is None
     assert "bn" not in bayesify(net, "abnn").targets
+
+
+class _LibraryRMSNorm(nn.Module):
+    """The transformer libraries' RMS normalisation (Llama's, Mistral's, Qwen's, T5's):
+    ``weight`` and ``variance_epsilon``, float32 statistics."""
+
+    def __init__(self, width: int, one_plus: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+        self.variance_epsilon = 1e-6
+        self.one_plus = one_plus  # Gemma's: γ = 1 + weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return ((1 + self.weight) if self.one_plus else self.weight) * h.to(x.dtype)
+
+
+_LibraryRMSNorm.__name__ = "LlamaRMSNorm"
+
+
+def test_rms_norms_are_targets_and_zero_noise_is_the_network():
+    """Every decoder LLM (Llama, Mistral, Qwen) and T5 normalise with an RMS norm: ``abnn``
+    refused them all ("no layer matched", benchmarks/hf_classes.py llama). The library kind
+    and ``torch.nn.RMSNorm`` are now wrapped; with σ = 0 the network exactly; the members
+    train (γ, and a β from 0); Gemma's ``1 + weight`` computes something else and is left."""
+    from bayesify import fit
+
+    torch.manual_seed(0)
+    torch_rms = nn.RMSNorm(8, eps=1e-5)
+    with torch.no_grad():
+        torch_rms.weight.uniform_(0.5, 1.5)
+    net = nn.Sequential(nn.Linear(4, 8), _LibraryRMSNorm(8), nn.GELU(), nn.Linear(8, 8),
+                        torch_rms, nn.Linear(8, 3)).eval()
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        expected = net(x)
+    bnn = bayesify(net, "abnn", noise_std=0.0)
+    assert bnn.targets == ["1", "4"]
+    with torch.no_grad():
+        torch.testing.assert_close(bnn.eval()(x), expected, rtol=0, atol=0)
+    trained = bayesify(net, "abnn")
+    fit(trained, [(x, torch.randint(0, 3, (6,)))], n_train=6, epochs=2, progress=False)
+    layer = trained.bayesian_layers()["1"]
+    assert float(layer.member_bias.detach().abs().max()) > 0  # a β the network did not have
+    net[1] = _LibraryRMSNorm(8, one_plus=True)
+    assert norm_axis(net[1]) is None
+    assert "1" not in bayesify(net, "abnn").targets

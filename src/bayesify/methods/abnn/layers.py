@@ -15,7 +15,10 @@ or the last axis (:func:`norm_axis`); a subclass that adds an activation (timm's
 ``BatchNormAct2d``) is not, because this layer would drop the activation. A
 ``FrozenBatchNorm2d`` (torchvision's, timm's: γ, β and the statistics as buffers) is a
 target on the same test; its members' γ, β are parameters like any other's (σ = 0 gives
-the network to float rounding there: its own formula is not the batch_norm kernel).
+the network to float rounding there: its own formula is not the batch_norm kernel). An
+RMS normalisation (``torch.nn.RMSNorm``; Llama's, Mistral's, Qwen's, T5's: :func:`rms_norm`)
+is a target on the same test over the last axis; its members get a β too, starting at 0
+(σ = 0 is the network to float rounding).
 """
 
 from __future__ import annotations
@@ -45,8 +48,29 @@ def frozen_batchnorm(module: nn.Module) -> bool:
                     for name in ("weight", "bias", "running_mean", "running_var")))
 
 
+def rms_norm(module: nn.Module) -> bool:
+    """An RMS normalisation (``γ ⊙ x / sqrt(mean(x²) + ε)`` over the last axis, no mean, no
+    β): ``torch.nn.RMSNorm`` and the transformer libraries' own (Llama, Mistral, Qwen,
+    T5's ``T5LayerNorm``: ``weight`` and ``variance_epsilon``). :func:`norm_axis` checks that
+    it computes that (Gemma's ``γ = 1 + weight`` does not, and is left alone)."""
+    if isinstance(module, getattr(nn, "RMSNorm", ())):
+        return module.normalized_shape is not None and len(module.normalized_shape) == 1
+    name = type(module).__name__
+    weight = getattr(module, "weight", None)
+    return (("RMSNorm" in name or name == "T5LayerNorm")
+            and isinstance(weight, torch.Tensor) and weight.dim() == 1
+            and getattr(module, "bias", None) is None
+            and isinstance(getattr(module, "variance_epsilon", getattr(module, "eps", None)),
+                           float))
+
+
+def _rms_eps(module: nn.Module, x: torch.Tensor) -> float:
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return float(torch.finfo(x.dtype).eps) if eps is None else float(eps)
+
+
 def _channels(module: nn.Module) -> int:
-    if frozen_batchnorm(module):
+    if frozen_batchnorm(module) or rms_norm(module):
         return int(module.weight.shape[0])
     if isinstance(module, nn.LayerNorm):
         return int(module.normalized_shape[0])
@@ -59,6 +83,8 @@ def _probe_inputs(module: nn.Module) -> list[tuple[int, torch.Tensor]]:
     """``(axis, x)`` candidates: the channel axis and an input of the module's rank."""
     c = _channels(module)
     gen = torch.Generator().manual_seed(0)
+    if rms_norm(module):
+        return [(-1, torch.randn(2, 3, c, generator=gen))]
     if isinstance(module, nn.LayerNorm):
         return [(-1, torch.randn(2, 3, c, generator=gen)),
                 (1, torch.randn(2, c, 3, 3, generator=gen))]
@@ -73,6 +99,15 @@ def _normalise(module: nn.Module, x: torch.Tensor, axis: int, weight: torch.Tens
                bias: torch.Tensor | None, *, training: bool = False) -> torch.Tensor:
     """The plain normalisation of ``module`` (affine ``weight``, ``bias`` or none) on ``x``
     with channels at ``axis`` (1 or −1)."""
+    if rms_norm(module):  # the last axis; float32 statistics, as the libraries compute them
+        if isinstance(module, getattr(nn, "RMSNorm", ())):
+            out = F.rms_norm(x, module.normalized_shape, weight, module.eps)
+        else:
+            work = x.float()
+            out = (work * torch.rsqrt(work.pow(2).mean(-1, keepdim=True) + _rms_eps(module, x))
+                   ).to(x.dtype)
+            out = out if weight is None else weight * out
+        return out if bias is None else out + bias
     if isinstance(module, nn.LayerNorm):
         if axis == -1:
             return F.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
@@ -90,7 +125,8 @@ def norm_axis(module: nn.Module) -> int | None:
     """The channel axis (1 or −1) of a normalisation layer whose output is the plain
     normalisation with its affine parameters, else ``None`` (not a normalisation layer, a
     multi-dimensional LayerNorm shape, or a subclass computing something else)."""
-    if not isinstance(module, NORM_TYPES) and not frozen_batchnorm(module):
+    if not isinstance(module, NORM_TYPES) and not frozen_batchnorm(module) \
+            and not rms_norm(module):
         return None
     if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
         return None
@@ -99,7 +135,7 @@ def norm_axis(module: nn.Module) -> int | None:
         try:
             with torch.no_grad():
                 got = probe(x)
-                want = _normalise(probe, x, axis, probe.weight, probe.bias)
+                want = _normalise(probe, x, axis, probe.weight, getattr(probe, "bias", None))
         except (RuntimeError, ValueError, IndexError, TypeError):
             continue
         if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(
@@ -118,8 +154,8 @@ class PlainNorm(metaclass=_NormProbe):
     normalisation (``isinstance`` runs :func:`norm_axis`)."""
 
     #: how errors name the layers this key matches
-    display_name = ("BatchNorm / LayerNorm / GroupNorm / FrozenBatchNorm2d (the plain "
-                    "normalisation)")
+    display_name = ("BatchNorm / LayerNorm / GroupNorm / FrozenBatchNorm2d / RMSNorm (the "
+                    "plain normalisation)")
 
 
 class BayesNormLayer(BayesianLayer):
@@ -130,7 +166,7 @@ class BayesNormLayer(BayesianLayer):
         axis = norm_axis(base_layer)
         if axis is None:
             raise BayesifyError(
-                f"abnn wraps BatchNorm / LayerNorm (one normalised dimension) / GroupNorm layers "
+                f"abnn wraps BatchNorm / LayerNorm (one normalised dimension) / GroupNorm / RMSNorm layers "
                 f"that compute the plain normalisation; {type(base_layer).__name__} does not")
         self.axis = axis
         c, k = _channels(base_layer), config.components
