@@ -129,3 +129,52 @@ def test_the_refusals_say_what_would_work() -> None:
     plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     with pytest.raises(BayesifyError, match=r"BatchNorm / LayerNorm / GroupNorm.*another family"):
         bayesify(plain, "abnn")
+
+
+def test_tune_after_a_custom_loop_turns_the_default_heads_off_before_its_passes(caplog):
+    """``tune(train_loader=...)`` after a custom loop (``elbo_loss``) on a model whose last
+    Linear is not its classifier: before the thirty-fifth stop the heads (on by default)
+    failed after the family's whole search; now they are turned off before any pass, warned
+    as ``fit`` does."""
+    from bayesify import elbo_loss, tune
+
+    bnn = bayesify(_conv_classifier(excite=True), "ibnn")
+    opt = torch.optim.SGD([p for p in bnn.parameters() if p.requires_grad], lr=1e-3)
+    for x, y in _loader():
+        loss = elbo_loss(bnn, (x, y), n_train=48).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with caplog.at_level(logging.WARNING, logger="bayesify"):
+        record = tune(bnn, _loader(32, 1), train_loader=_loader())
+    assert not bnn.posterior_config.laplace_heads and "heads_prior_precision" not in record
+    said = [r.getMessage() for r in caplog.records if "Laplace heads" in r.getMessage()]
+    assert said and said[0].startswith("tune:") and "'3.fc2'" in said[0]
+    with pytest.raises(BayesifyError, match="laplace_heads=True needs a Linear classifier"):
+        tune(bayesify(_conv_classifier(excite=True), "ibnn", laplace_heads=True),
+             _loader(32, 1), train_loader=_loader())
+
+
+def test_bayes_trainer_turns_the_default_heads_off_before_training(tmp_path, caplog):
+    """The same through the Hugging Face ``Trainer``: decided on the first evaluation batch
+    before ``train()`` trains, not after it (where ``tune`` would have failed)."""
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    from bayesify.integrations.hf import BayesTrainer
+
+    def rows(loader: DataLoader) -> list[dict]:
+        x, y = loader.dataset.tensors
+        return [{"input": x[i], "labels": y[i]} for i in range(len(y))]
+
+    bnn = bayesify(_conv_classifier(excite=True), "ibnn")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), num_train_epochs=1,
+                                          per_device_train_batch_size=16, report_to=[],
+                                          use_cpu=True, save_strategy="no")
+    trainer = BayesTrainer(model=bnn, args=args, train_dataset=rows(_loader()),
+                           eval_dataset=rows(_loader(32, 1)))
+    with caplog.at_level(logging.WARNING, logger="bayesify"):
+        trainer.train()
+    assert not bnn.posterior_config.laplace_heads
+    said = [r.getMessage() for r in caplog.records if "Laplace heads" in r.getMessage()]
+    assert said and said[0].startswith("BayesTrainer:")
+    assert "ibnn_noise_scale" in trainer.tune_record

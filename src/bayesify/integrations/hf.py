@@ -63,6 +63,7 @@ from bayesify.errors import BayesifyError
 from bayesify.kit import laplace_heads
 from bayesify.train.best import starting_state
 from bayesify.train.custom_loop import posterior_optimizer
+from bayesify.train.data import whole_batches
 from bayesify.train.loss import elbo_loss
 from bayesify.train.tuning import tune
 
@@ -138,6 +139,13 @@ class BayesTrainer(transformers.Trainer):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         tuning = self.tune_after_train and self.eval_dataset is not None
         resumed = bool(kwargs.get("resume_from_checkpoint") or (args and args[0]))
+        if tuning and laplace_heads.enabled(self._bnn):
+            # the heads' classifier gives the logits? (turned off, warned, where not: before
+            # the training, not after it, when tune() would fit them)
+            first = next(whole_batches(self.get_eval_dataloader(), device=self._bnn.device,
+                                       batch_fn=None), None)
+            if first is not None:
+                laplace_heads.settle_on(self._bnn, first, caller="BayesTrainer")
         self.start_state = (starting_state(self._bnn)
                             if tuning and not resumed and laplace_heads.enabled(self._bnn)
                             else None)

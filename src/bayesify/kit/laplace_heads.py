@@ -55,12 +55,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from bayesify.core.batch import call_model
 from bayesify.core.config import HEADS_BY_DEFAULT
 from bayesify.core.extensions import provide
 from bayesify.core.fitting import FitContext, Knob
 from bayesify.core.locks import model_lock
 from bayesify.core.names import BASE_LAYER, base_name
-from bayesify.core.outputs import classifier_rows
+from bayesify.core.outputs import classifier_rows, logits_of
 from bayesify.core.prediction import Prediction, gaussian_expected_entropy
 from bayesify.core.selection import log_grid, prior_is_negligible
 from bayesify.core.state import derived
@@ -225,7 +226,8 @@ def watching_classifier(bnn: BayesianModel) -> Iterator[Calls]:
         yield calls
 
 
-def settle(bnn: BayesianModel, seen: Calls, logits: torch.Tensor) -> None:
+def settle(bnn: BayesianModel, seen: Calls, logits: torch.Tensor, *,
+           caller: str = "fit") -> None:
     """Before a fit's first step (``fit`` calls it on the first batch, the model's mean
     network in eval mode): the heads need the classifier :func:`find_classifier` names to
     give the model's logits (``seen``: its calls in that forward, :func:`watching_classifier`)
@@ -256,12 +258,34 @@ def settle(bnn: BayesianModel, seen: Calls, logits: torch.Tensor) -> None:
     if bnn.runtime.get(HEADS_BY_DEFAULT):
         bnn.method.config = dataclasses.replace(bnn.method.config, laplace_heads=False)
         bnn.runtime[HEADS_BY_DEFAULT] = False
-        logger.warning("fit: %r predicts without its member-wise Laplace heads "
-                       "(laplace_heads=False): %s", bnn.method_name, reason)
+        logger.warning("%s: %r predicts without its member-wise Laplace heads "
+                       "(laplace_heads=False): %s", caller, bnn.method_name, reason)
         return
     raise BayesifyError(
         f"laplace_heads=True needs a Linear classifier whose output is the model's logits; "
         f"{reason}. Use bayesify(model, {bnn.method_name!r}, laplace_heads=False)")
+
+
+@torch.no_grad()
+def settle_on(bnn: BayesianModel, batch: Any, *, caller: str = "tune") -> None:
+    """:func:`settle` on the mean network's forward (eval mode) of a batch's first rows, for
+    the callers outside ``fit`` (:func:`bayesify.tune` after a custom loop, ``BayesTrainer``)
+    before anything costs: with the heads on by default and a last Linear that does not give
+    the logits, ``tune`` failed after the search (and ``BayesTrainer`` after the whole
+    training) when the heads read the classifier. Nothing to do where the heads are off or
+    already fitted."""
+    if not enabled(bnn) or fitted(bnn):
+        return
+    was_training = bnn.training
+    bnn.eval()
+    try:
+        with bnn.deterministic():
+            inputs = batch.rows(slice(0, 4)).model_input()
+            with watching_classifier(bnn) as seen:
+                logits = logits_of(call_model(bnn.model, inputs))
+            settle(bnn, seen, logits, caller=caller)
+    finally:
+        bnn.train(was_training)
 
 
 def trunk_names(bnn: BayesianModel) -> list[str]:

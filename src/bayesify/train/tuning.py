@@ -1112,6 +1112,11 @@ def tune(bnn: BayesianModel, val_loader: Iterable, *, train_loader: Iterable | N
                             temperature=temperature, progress=progress,
                             whole_split=whole, **kwargs)
 
+    if laplace_heads.enabled(bnn) and train_loader is not None:
+        # the heads' classifier gives the logits? (turned off, warned, where not: before any pass)
+        first = next(iter(whole()), None)
+        if first is not None:
+            laplace_heads.settle_on(bnn, first)
     heads = laplace_heads.enabled(bnn)
     with naming_unresponsive_ranks(ctx), rank_zero_warnings(ctx):  # only rank 0 warns
         if heads and train_loader is not None:  # as fit's search does
