@@ -36,6 +36,12 @@ def expand_plan_rows(index: torch.Tensor, rows: int, device: torch.device) -> to
     )
 
 
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass with gradients on: gradient
+    checkpointing recomputing a segment of the forward."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
 @dataclass
 class SamplingPlan:
     """Row → component assignment for one forward pass.
@@ -64,7 +70,10 @@ class SamplingContext:
 
     def __init__(self, components: int) -> None:
         self.components = int(components)
-        self.plan = SamplingPlan()
+        self._plan = SamplingPlan()
+        #: open ``use`` blocks, and the plan the last one set (see :attr:`plan`)
+        self._depth = 0
+        self._last: SamplingPlan | None = None
         self.force_deterministic = False
         self._layer_count = 0
         #: counts top-level forward passes (every ``use`` block and every
@@ -94,18 +103,45 @@ class SamplingContext:
         num_members: int = 0,
         seed: int | None = None,
     ) -> Iterator[SamplingPlan]:
-        previous = self.plan
+        previous = self._plan
         self.new_pass()
         det = previous.deterministic if deterministic is None else deterministic
         gen = generator if generator is not None else previous.generator
-        self.plan = SamplingPlan(
+        self._plan = SamplingPlan(
             component=component, deterministic=det, generator=gen,
             member=member, num_members=num_members, seed=seed,
         )
+        self._last = self._plan
+        self._depth += 1
         try:
-            yield self.plan
+            yield self._plan
         finally:
-            self.plan = previous
+            self._depth -= 1
+            self._plan = previous
+
+    @property
+    def plan(self) -> SamplingPlan:
+        """The active plan. Inside a backward pass with no ``use`` block open — gradient
+        checkpointing (``torch.utils.checkpoint``; Hugging Face's
+        ``gradient_checkpointing_enable()``) recomputing a segment of the forward — the plan
+        of the forward it recomputes (the last one set): without it the recomputed layers
+        dealt their rows to other members than the forward had (BatchEnsemble, rank-1: the
+        gradients of their factors wrong by up to 8× their size, silently). Noise drawn
+        from a ``torch.Generator`` cannot be drawn again there (checkpointing replays the
+        global RNG only): that is an error, not a silently different draw."""
+        if self._depth == 0 and self._last is not None and recomputing():
+            last = self._last
+            if last.generator is not None and not last.deterministic:
+                raise BayesifyError(
+                    "gradient checkpointing recomputes the wrapped layers in the backward pass, "
+                    "where the noise bayesify drew from its generator cannot be drawn again "
+                    "(the recomputed forward would differ from the one the loss saw). fit "
+                    "draws from the global RNG instead for a model whose checkpointing it "
+                    "sees (Hugging Face's model.gradient_checkpointing_enable()); for "
+                    "checkpointing of your own, turn it off for the fit, or train with "
+                    "elbo_loss / BayesTrainer (global RNG, which checkpointing replays)")
+            return last
+        return self._plan
 
     @property
     def deterministic(self) -> bool:

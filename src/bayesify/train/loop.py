@@ -518,8 +518,16 @@ def _forward(state: TrainContext, *, compile: bool | dict[str, Any],
              find_unused_parameters: bool) -> None:
     """The module the gradient step calls: the step's terms, through DDP and compile."""
     # compiled: the noise comes from the global RNG, seeded per call from the generator
-    # (a Generator object inside the graph breaks it at every wrapped layer)
-    state.forward = TrainForward(state.bnn, None if compile else state.noise_generator,
+    # (a Generator object inside the graph breaks it at every wrapped layer); the same
+    # under gradient checkpointing, which replays the global RNG when it recomputes a
+    # segment in the backward pass, and not a Generator's draws
+    checkpointing = gradient_checkpointing(state.bnn.model)
+    if checkpointing and not compile:
+        logger.info("fit: the model recomputes its forward in the backward pass (gradient "
+                    "checkpointing): the noise is drawn from the global RNG, seeded per step "
+                    "from the fit's generator, so the recomputed layers draw what the forward did")
+    seeded = bool(compile) or checkpointing
+    state.forward = TrainForward(state.bnn, None if seeded else state.noise_generator,
                                  state.family)
     if state.ctx.distributed:
         state.ddp = _wrap_ddp(state.forward, state.ctx, sync_buffers=state.bnn.bn_train,
@@ -528,6 +536,18 @@ def _forward(state: TrainContext, *, compile: bool | dict[str, Any],
     if compile:
         compiled = torch.compile(state.forward, **(compile if isinstance(compile, dict) else {}))
         state.forward = SeededCompiledForward(compiled, state.noise_generator, state.ctx.device)
+    elif checkpointing:
+        state.forward = SeededCompiledForward(state.forward, state.noise_generator,
+                                              state.ctx.device)
+
+
+def gradient_checkpointing(model: nn.Module) -> bool:
+    """Whether ``model`` has gradient checkpointing on the way Hugging Face models say so
+    (``model.gradient_checkpointing_enable()``: a ``gradient_checkpointing`` flag on the
+    checkpointed stacks). Checkpointing of the user's own (``torch.utils.checkpoint`` in a
+    forward) is found only when it recomputes:
+    :attr:`bayesify.core.context.SamplingContext.plan` then refuses a generator's noise."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _wrap_ddp(module: nn.Module, ctx: DistContext, *, sync_buffers: bool,
