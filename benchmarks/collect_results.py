@@ -71,6 +71,14 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session35.md", "Every family's Laplace heads on decoder and distilled "
+             "classifiers; faults of real model kinds (BART/T5 <eos> pooling, RMSNorm, "
+             "torch.compile, gradient checkpointing, heads after a custom loop); "
+             "EfficientNet-B0 seed 2's rank1 and swag",
+             "EPOCHS=1 OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py deit_distilled 0 F.jsonl "
+             "(before: PYTHONPATH=<3c1ba0a worktree>/src); python benchmarks/hf_classes.py "
+             "llama,bart,...; python benchmarks/held_out_nets.py effb0 2 F rank1,swag; the text is "
+             "written by hand"),
         Part("session34.md", "Faults of model and run kinds no test had (distributed streams, "
              "NCCL counters, decoder and one-logit classifiers, DataParallel, FrozenBatchNorm2d, "
              "bf16 serving); a clean-budget rule tried and not kept, with why",
