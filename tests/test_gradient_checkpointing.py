@@ -96,3 +96,43 @@ def test_fit_of_a_hugging_face_model_with_checkpointing_is_the_fit_without_it(mo
     theirs = fitted(copy.deepcopy(model))
     for name, value in theirs.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bayes_trainer_with_gradient_checkpointing_trains_as_without(tmp_path):
+    """``TrainingArguments(gradient_checkpointing=True)``: ``Trainer`` asks the model it
+    trains — the ``BayesianModel`` — to enable checkpointing; before the thirty-fifth stop
+    that was an ``AttributeError``. Now the wrapped model's own, non-reentrant (the
+    reentrant kind leaves the posterior inside checkpointed blocks without gradient): the
+    same posterior as without checkpointing."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from bayesify.integrations.hf import BayesTrainer
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=32,
+                                     max_position_embeddings=16, num_labels=3)
+    model = transformers.BertForSequenceClassification(config).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 50, (32, 8), generator=g)
+    rows = [{"input_ids": ids[i], "attention_mask": torch.ones(8, dtype=torch.long),
+             "labels": ids[i, 1] % 3} for i in range(32)]
+    trained = []
+    for checkpointing in (False, True):
+        torch.manual_seed(1)
+        bnn = bayesify(copy.deepcopy(model), "batchensemble")
+        start = {n: p.detach().clone() for n, p in bnn.named_posterior_parameters()}
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(checkpointing)), num_train_epochs=1,
+            per_device_train_batch_size=8, report_to=[], use_cpu=True, save_strategy="no",
+            gradient_checkpointing=checkpointing, seed=0, data_seed=0)
+        BayesTrainer(model=bnn, args=args, train_dataset=rows).train()
+        assert any(getattr(m, "gradient_checkpointing", False) for m in bnn.model.modules()) \
+            == checkpointing
+        after = {n: p.detach().clone() for n, p in bnn.named_posterior_parameters()}
+        layer = "bert.encoder.layer.1.output.dense.s"  # inside a checkpointed block
+        assert float((after[layer] - start[layer]).abs().max()) > 0
+        trained.append(after)
+    for name, value in trained[0].items():
+        torch.testing.assert_close(trained[1][name], value, rtol=1e-6, atol=1e-7, msg=name)

@@ -22,6 +22,7 @@ from bayesify.core.outputs import logits_of
 from bayesify.core.signature import forward_with_signature
 from bayesify.core.state import PosteriorState, RuntimeCache, forget_derived_on_load
 from bayesify.core.walker import replace_modules
+from bayesify.errors import BayesifyError
 
 if TYPE_CHECKING:
     from bayesify.core.method import Method
@@ -94,6 +95,44 @@ class BayesianModel(nn.Module):
         """The wrapped network's own ``config`` (Hugging Face models), which libraries
         such as ``transformers.Trainer`` read and write; ``AttributeError`` without one."""
         return self.model.config
+
+    # -- Hugging Face's activation (gradient) checkpointing of the wrapped model -------------
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        **kwargs: Any) -> None:
+        """The wrapped Hugging Face model's checkpointing (what ``transformers.Trainer`` calls
+        for ``TrainingArguments(gradient_checkpointing=True)``; before the thirty-fifth stop
+        ``BayesTrainer`` failed there with an ``AttributeError``). Non-reentrant unless asked:
+        the reentrant variant gives no gradient to the parameters inside a checkpointed block
+        whose input needs none, and with the base frozen that is every posterior tensor there
+        (transformers 4's default was reentrant). The recomputed layers read the sampling
+        plan of the forward they recompute (:attr:`bayesify.core.context.SamplingContext.plan`)."""
+        options = {"use_reentrant": False, **(activation_checkpointing_kwargs or {})}
+        enable = getattr(self.model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=options, **kwargs)
+        else:
+            enable = getattr(self.model, "gradient_checkpointing_enable", None)
+            if enable is None:
+                raise BayesifyError(
+                    f"{type(self.model).__name__} has no activation checkpointing to enable (a "
+                    "Hugging Face model's activation_checkpointing_enable); call "
+                    "torch.utils.checkpoint in its forward instead, or train without it")
+            enable(gradient_checkpointing_kwargs=options, **kwargs)
+        if options["use_reentrant"] and hasattr(self.model, "enable_input_require_grads"):
+            self.model.enable_input_require_grads()  # else the checkpointed blocks get no gradient
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None,
+                                      **kwargs: Any) -> None:
+        """:meth:`activation_checkpointing_enable` under its transformers-4 name."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, **kwargs)
+
+    def activation_checkpointing_disable(self) -> None:
+        disable = (getattr(self.model, "activation_checkpointing_disable", None)
+                   or getattr(self.model, "gradient_checkpointing_disable", None))
+        if disable is not None:
+            disable()
+
+    gradient_checkpointing_disable = activation_checkpointing_disable
 
     @property
     def method_name(self) -> str:
