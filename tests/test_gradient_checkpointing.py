@@ -67,16 +67,7 @@ def test_fit_of_a_hugging_face_model_with_checkpointing_is_the_fit_without_it(mo
     from bayesify import fit
     from bayesify.train import loop
 
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=32,
-                                     max_position_embeddings=16, num_labels=3)
-    model = transformers.BertForSequenceClassification(config).eval()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, 50, (32, 8), generator=g)
-    rows = [{"input_ids": ids[i], "attention_mask": torch.ones(8, dtype=torch.long),
-             "labels": ids[i, 1] % 3} for i in range(32)]
+    model, rows = _tiny_bert(transformers)
 
     def fitted(net: nn.Module) -> dict:
         torch.manual_seed(1)
@@ -108,16 +99,7 @@ def test_bayes_trainer_with_gradient_checkpointing_trains_as_without(tmp_path):
     pytest.importorskip("accelerate")
     from bayesify.integrations.hf import BayesTrainer
 
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=32,
-                                     max_position_embeddings=16, num_labels=3)
-    model = transformers.BertForSequenceClassification(config).eval()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, 50, (32, 8), generator=g)
-    rows = [{"input_ids": ids[i], "attention_mask": torch.ones(8, dtype=torch.long),
-             "labels": ids[i, 1] % 3} for i in range(32)]
+    model, rows = _tiny_bert(transformers)
     trained = []
     for checkpointing in (False, True):
         torch.manual_seed(1)
@@ -136,3 +118,18 @@ def test_bayes_trainer_with_gradient_checkpointing_trains_as_without(tmp_path):
         trained.append(after)
     for name, value in trained[0].items():
         torch.testing.assert_close(trained[1][name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _tiny_bert(transformers) -> tuple[nn.Module, list[dict]]:
+    """A random-init two-layer BERT classifier and 32 labelled token rows."""
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=32,
+                                     max_position_embeddings=16, num_labels=3)
+    model = transformers.BertForSequenceClassification(config).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 50, (32, 8), generator=g)
+    rows = [{"input_ids": ids[i], "attention_mask": torch.ones(8, dtype=torch.long),
+             "labels": ids[i, 1] % 3} for i in range(32)]
+    return model, rows
