@@ -133,3 +133,35 @@ def _tiny_bert(transformers) -> tuple[nn.Module, list[dict]]:
     rows = [{"input_ids": ids[i], "attention_mask": torch.ones(8, dtype=torch.long),
              "labels": ids[i, 1] % 3} for i in range(32)]
     return model, rows
+
+
+def test_fit_of_a_timm_model_with_grad_checkpointing_is_the_fit_without_it(monkeypatch):
+    """timm's ``set_grad_checkpointing()`` (a ``grad_checkpointing`` flag): seen by ``fit``
+    as Hugging Face's is; before, the recompute drew other noise (and, with the guard of this
+    stop alone, refused it)."""
+    timm = pytest.importorskip("timm")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from bayesify import fit
+    from bayesify.train import loop
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3,
+                              img_size=32, patch_size=8, depth=2).eval()
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 3, (16,), generator=g))
+
+    def fitted(net: nn.Module) -> dict:
+        torch.manual_seed(1)
+        bnn = bayesify(net, "rank1")
+        fit(bnn, DataLoader(data, batch_size=8), epochs=1, seed=0, progress=False)
+        return {n: p.detach().clone() for n, p in bnn.named_posterior_parameters()}
+
+    checkpointed = copy.deepcopy(model)
+    checkpointed.set_grad_checkpointing(True)
+    assert loop.gradient_checkpointing(checkpointed) and not loop.gradient_checkpointing(model)
+    ours = fitted(checkpointed)
+    monkeypatch.setattr(loop, "gradient_checkpointing", lambda _model: True)
+    theirs = fitted(copy.deepcopy(model))
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)

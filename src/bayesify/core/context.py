@@ -137,7 +137,8 @@ class SamplingContext:
                     "where the noise bayesify drew from its generator cannot be drawn again "
                     "(the recomputed forward would differ from the one the loss saw). fit "
                     "draws from the global RNG instead for a model whose checkpointing it "
-                    "sees (Hugging Face's model.gradient_checkpointing_enable()); for "
+                    "sees (Hugging Face's model.gradient_checkpointing_enable(), timm's "
+                    "model.set_grad_checkpointing()); for "
                     "checkpointing of your own, turn it off for the fit, or train with "
                     "elbo_loss / BayesTrainer (global RNG, which checkpointing replays)")
             return last

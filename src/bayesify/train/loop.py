@@ -542,12 +542,14 @@ def _forward(state: TrainContext, *, compile: bool | dict[str, Any],
 
 
 def gradient_checkpointing(model: nn.Module) -> bool:
-    """Whether ``model`` has gradient checkpointing on the way Hugging Face models say so
-    (``model.gradient_checkpointing_enable()``: a ``gradient_checkpointing`` flag on the
-    checkpointed stacks). Checkpointing of the user's own (``torch.utils.checkpoint`` in a
-    forward) is found only when it recomputes:
-    :attr:`bayesify.core.context.SamplingContext.plan` then refuses a generator's noise."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    """Whether ``model`` has gradient checkpointing on the way Hugging Face and timm models
+    say so (``model.gradient_checkpointing_enable()``: a ``gradient_checkpointing`` flag on
+    the checkpointed stacks; timm's ``set_grad_checkpointing()``: ``grad_checkpointing``).
+    Checkpointing of the user's own (``torch.utils.checkpoint`` in a forward) is found only
+    when it recomputes: :attr:`bayesify.core.context.SamplingContext.plan` then refuses a
+    generator's noise."""
+    return any(getattr(m, flag, False) is True for m in model.modules()
+               for flag in ("gradient_checkpointing", "grad_checkpointing"))
 
 
 def _wrap_ddp(module: nn.Module, ctx: DistContext, *, sync_buffers: bool,
