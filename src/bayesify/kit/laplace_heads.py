@@ -326,7 +326,7 @@ def member_features(bnn: BayesianModel, x: Any, *, samples_per_component: int, m
     every member that adds a term after the classifier (the epinet: ``f_m = Wφ + b + δ_m(φ)``;
     δ_m does not depend on the head's weights, so the GLM is the same), or ``[M, B, D]`` where
     the members cannot run under the hook together (SWAG's vmapped samples); where it gives
-    None, the hook.""" 
+    None, the hook."""
     own = getattr(bnn.method, "heads_features", None)
     got = own(bnn, x, samples_per_component=samples_per_component, seed=seed) if own else None
     if got is not None:
