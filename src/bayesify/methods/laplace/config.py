@@ -39,7 +39,8 @@ class LaplaceConfig(MethodConfig):
     )
     structure: str = option(
         "auto", "Hessian structure: 'kron' (KFAC G ⊗ A / N), 'diag', 'full' (exact GGN; "
-        "one Linear target each), or 'auto': full for a classifier of ≤ 5000 parameters "
+        "one Linear target each, or a distilled model's heads as one joint classifier), or "
+        "'auto': full for a classifier of ≤ 5000 parameters "
         "(better shift NLL and OOD AUROC than kron at the same clean NLL), kron above, diag "
         "for a subnetwork."
     )

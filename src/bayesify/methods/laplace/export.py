@@ -75,27 +75,29 @@ class PooledTap(nn.Module):
         return self.output
 
 
-def _unwrapped_with_tap(bnn: BayesianModel, name: str,
-                        feature_layers: list[str]) -> tuple[nn.Module, FeatureTap, list[PooledTap]]:
+def _unwrapped_with_tap(bnn: BayesianModel, names: list[str], feature_layers: list[str],
+                        ) -> tuple[nn.Module, list[FeatureTap], list[PooledTap]]:
+    """The unwrapped network with every classifier in ``names`` (one, or a distilled model's
+    heads) replaced by a :class:`FeatureTap` and every feature layer by a :class:`PooledTap`."""
     net = bnn.unwrap().eval()
-    linear = net.get_submodule(name) if name else net
-    tap = FeatureTap(linear)
+    taps = [FeatureTap(net.get_submodule(name) if name else net) for name in names]
     pools = [PooledTap(net.get_submodule(n)) for n in feature_layers]
-    if not name:
-        return tap, tap, pools
-    replace_modules(net, {name: tap, **dict(zip(feature_layers, pools, strict=True))})
-    return net, tap, pools
+    if names == [""]:
+        return taps[0], taps, pools
+    replace_modules(net, {**dict(zip(names, taps, strict=True)),
+                          **dict(zip(feature_layers, pools, strict=True))})
+    return net, taps, pools
 
 
 class LastLayerLaplace(nn.Module):
     """``x → [M, B, C]`` of the last-layer Laplace predictive (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, tap: FeatureTap, *, has_bias: bool, link: str,
+    def __init__(self, model: nn.Module, taps: list[FeatureTap], *, has_bias: bool, link: str,
                  structure: str, dtype: torch.dtype, tensors: dict[str, torch.Tensor],
                  pools: list[PooledTap] | None = None) -> None:
         super().__init__()
         self.model = model
-        object.__setattr__(self, "tap", tap)  # already a submodule of model
+        object.__setattr__(self, "taps", list(taps))  # already submodules of model
         object.__setattr__(self, "pools", list(pools or []))  # so are these
         self.has_bias, self.link, self.structure, self.dtype = has_bias, link, structure, dtype
         for key, value in tensors.items():
@@ -118,8 +120,16 @@ class LastLayerLaplace(nn.Module):
         model_logits = logits_of(self.model(*args, **kwargs))
         # the classifier's output is the mean (the model's logits up to a constant per row),
         # at the position that makes them where it runs at every position (a decoder)
-        a, self.tap.features = self.tap.features, None
-        out, self.tap.output = self.tap.output, None
+        got = []
+        for tap in self.taps:
+            got.append((tap.features, tap.output))
+            tap.features, tap.output = None, None
+        if len(got) == 1:
+            a, out = got[0]
+        else:  # a distilled model's heads: the joint classifier's features and mean
+            k = len(got)
+            a = torch.cat([f / k for f, _ in got], dim=-1)
+            out = torch.stack([o for _, o in got]).mean(0)
         a, logits = classifier_rows(a, out, model_logits)
         feats = augmented_features(a, self.has_bias).to(self.dtype)
         if self.link == "mc":
@@ -173,25 +183,26 @@ def export_laplace(bnn: BayesianModel, config: LaplaceConfig, *, samples_per_com
     if deterministic or state.train_loss(bnn) is None:  # in process: the MAP network alone
         return StackedModels([bnn.unwrap()])
     if state.last_layer(bnn):
-        name, layer = next(iter(state.layers(bnn).items()))
+        found = state.layers(bnn)
+        layer = state.first(found)
+        names = list(found) if layer.joint else [next(iter(found))]
         posterior = state.posterior(bnn, config)
         tau = state.prior_precision(bnn, config).detach()
         view = state.trunk_posterior(bnn, config)
         feature_layers = list(config.feature_layers) if view is not None else []
-        model, tap, pools = _unwrapped_with_tap(bnn, name, feature_layers)
+        model, taps, pools = _unwrapped_with_tap(bnn, names, feature_layers)
         tensors = _last_layer_tensors(posterior, layer.structure, config.link, tau,
                                       samples=samples_per_component, seed=seed)
         if view is not None:
             tensors.update(view.export_tensors(tau))
-        return LastLayerLaplace(model, tap, has_bias=layer.has_bias, link=config.link,
+        return LastLayerLaplace(model, taps, has_bias=layer.has_bias, link=config.link,
                                 structure=layer.structure, dtype=posterior.mean.dtype,
                                 tensors=tensors, pools=pools).eval()
     raise BayesifyError(
         "method 'laplace' with a subnetwork (diagonal) posterior cannot be exported: its "
         "predictive needs per-example Jacobians (torch.func vmap/jacrev), which "
         "torch.export cannot trace; export a last-layer Laplace (targets='last_layer' on "
-        "a model with one classifier, structure kron/diag/full) instead. (A distilled "
-        "model, whose logits average two heads, gets the subnetwork posterior over both "
-        "from targets='last_layer', and a one-logit binary classifier made two-class by "
-        "output_fn gets it by default: export another family there, e.g. 'ensemble'.)"
+        "a model with one classifier or a distilled model's heads, structure kron/full) "
+        "instead. (A one-logit binary classifier made two-class by output_fn gets the "
+        "subnetwork posterior by default: export another family there, e.g. 'ensemble'.)"
     )

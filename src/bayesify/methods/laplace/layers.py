@@ -41,30 +41,88 @@ class LaplaceLayer(BayesianLayer):
                 "convolutional / subnetwork targets"
             )
         self.has_bias = getattr(base_layer, "bias", None) is not None
-        if config.structure == "kron":
-            d = base_layer.in_features + int(self.has_bias)
+        self.max_full_params = config.max_full_params
+        self._allocate(base_layer.in_features if config.structure != "diag" else 0, factory)
+        self.register_buffer("prior_precision", torch.tensor(float(config.prior_precision), **factory))
+        self.register_buffer("n_data", torch.zeros((), **factory))
+        self._capturing = False
+        self._captured: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _allocate(self, inputs: int, factory: dict) -> None:
+        """The curvature buffers of ``structure`` for a classifier of ``inputs`` inputs (and
+        the bias feature ``has_bias`` adds)."""
+        classes = self.base_layer.out_features if hasattr(self.base_layer, "out_features") else 0
+        if self.structure == "kron":
+            d = inputs + int(self.has_bias)
             self.register_buffer("kron_input", torch.zeros(d, d, **factory))
-            self.register_buffer("kron_output", torch.zeros(base_layer.out_features, base_layer.out_features, **factory))
-        elif config.structure == "full":
+            self.register_buffer("kron_output", torch.zeros(classes, classes, **factory))
+        elif self.structure == "full":
             p = self.num_params()
-            if p > config.max_full_params:
+            if p > self.max_full_params:
                 raise BayesifyError(
                     f"method 'laplace': structure='full' on {p} parameters needs a {p}×{p} "
-                    f"matrix; above max_full_params={config.max_full_params}. Use 'kron' or "
+                    f"matrix; above max_full_params={self.max_full_params}. Use 'kron' or "
                     "'diag'"
                 )
             self.register_buffer("ggn_full", torch.zeros(p, p, **factory))
         else:
             self.register_buffer("ggn_diag", torch.zeros(self.num_params(), **factory))
-        self.register_buffer("prior_precision", torch.tensor(float(config.prior_precision), **factory))
-        self.register_buffer("n_data", torch.zeros((), **factory))
-        self.capturing = False
-        self.captured: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- a distilled model's heads: one joint classifier ------------------------------------
+    def join(self, partners: list[LaplaceLayer]) -> None:
+        """Make this layer the joint classifier of itself and ``partners`` — a distilled
+        model's K heads whose mean is the logits: ``f = [W_1 … W_K]·[a_1/K; …; a_K/K] + b̄``
+        (b̄ the mean of their biases). Its curvature buffers are sized for the joint
+        features; :attr:`captured` is the joint ``(a, f)``; the partners only capture."""
+        object.__setattr__(self, "partners", list(partners))  # siblings, not submodules
+        self.has_bias = True
+        weight = self.base_layer.weight
+        factory = {"device": weight.device, "dtype": self.prior_precision.dtype}
+        for name in ("kron_input", "kron_output", "ggn_full", "ggn_diag"):
+            if name in self._buffers:
+                del self._buffers[name]
+        self._allocate(sum(m.base_layer.in_features for m in self._heads()), factory)
+
+    def _heads(self) -> list[LaplaceLayer]:
+        return [self, *self.__dict__.get("partners", [])]
+
+    @property
+    def joint(self) -> bool:
+        return bool(self.__dict__.get("partners"))
+
+    @property
+    def capturing(self) -> bool:
+        return self._capturing
+
+    @capturing.setter
+    def capturing(self, value: bool) -> None:
+        for head in self._heads():
+            head._capturing = bool(value)
+
+    @property
+    def captured(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(input, output)`` of the last forward while capturing; joint: ``([a_1/K, …,
+        a_K/K], mean of the heads' outputs)``."""
+        if not self.joint:
+            return self._captured
+        got = [head._captured for head in self._heads()]
+        if any(g is None for g in got):
+            return None
+        k = len(got)
+        return (torch.cat([a / k for a, _ in got], dim=-1),
+                torch.stack([out for _, out in got]).mean(0))
+
+    @captured.setter
+    def captured(self, value: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self._captured = value
+        if value is None:
+            for head in self._heads():
+                head._captured = None
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         out = self.base_layer(x, *args, **kwargs)
-        if self.capturing:
-            self.captured = (x, out)
+        if self._capturing:
+            self._captured = (x, out)
         return out
 
     def posterior_parameters(self) -> list[tuple[str, torch.Tensor]]:
@@ -84,6 +142,9 @@ class LaplaceLayer(BayesianLayer):
         return computed + list(base.named_parameters(recurse=False))
 
     def num_params(self) -> int:
+        if self.joint:
+            weights = self.map_weights()
+            return weights.numel()
         return sum(p.numel() for _, p in self.posterior_parameters())
 
     def mean_weight(self, name: str) -> torch.Tensor | None:
@@ -94,7 +155,14 @@ class LaplaceLayer(BayesianLayer):
         return self.num_params()
 
     def map_weights(self) -> torch.Tensor:
-        """``[C, D']`` = [W | b] of a Linear layer (the MAP mean in matrix form)."""
+        """``[C, D']`` = [W | b] of a Linear layer (the MAP mean in matrix form); joint:
+        ``[W_1 … W_K | b̄]``."""
+        if self.joint:
+            heads = [h.base_layer for h in self._heads()]
+            biases = [h.bias if h.bias is not None else torch.zeros_like(h.weight[:, 0])
+                      for h in heads]
+            mean_bias = torch.stack(biases).mean(0)
+            return torch.cat([*(h.weight for h in heads), mean_bias.unsqueeze(1)], dim=1)
         w = self.base_layer.weight
         if self.has_bias:
             return torch.cat([w, self.base_layer.bias.unsqueeze(1)], dim=1)

@@ -36,6 +36,7 @@ from bayesify.core.method import Method, wrap_targets
 from bayesify.core.outputs import classifier_rows, logits_of
 from bayesify.core.prediction import Prediction
 from bayesify.core.selection import log_grid, prior_is_negligible
+from bayesify.core.walker import classifier_group
 from bayesify.errors import BayesifyError
 from bayesify.kit import feature_layers as trunk
 from bayesify.methods.laplace import curvature as curv
@@ -52,6 +53,29 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def joint_heads(model: nn.Module, targets: list[str]) -> bool:
+    """Whether ``targets`` are a distilled model's heads whose mean is the logits
+    (:func:`~bayesify.core.walker.classifier_group`): Linears of one output width, which
+    the last-layer posterior covers as one joint classifier (:meth:`LaplaceLayer.join`)."""
+    if len(targets) < 2 or list(targets) != classifier_group(model):
+        return False
+    heads = [model.get_submodule(t) for t in targets]
+    return all(isinstance(h, nn.Linear) for h in heads) and len(
+        {h.out_features for h in heads}) == 1
+
+
+class _JointShape:
+    """What :func:`auto_structure` reads of a classifier, for the joint one of ``targets``."""
+
+    def __init__(self, modules: dict[str, nn.Module], targets: list[str]) -> None:
+        heads = [modules[t] for t in targets]
+        self.out_features = heads[0].out_features
+        self._count = self.out_features * (sum(h.in_features for h in heads) + 1)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [torch.empty(self._count, device="meta")]
+
+
 class LaplaceMethod(Method):
     """Laplace approximation around the pretrained (MAP) weights; post-hoc."""
 
@@ -66,8 +90,9 @@ class LaplaceMethod(Method):
     #: is larger off the data, so a sharpened broad posterior stays broad there
     #: (bayesify.train.tuning.sharpening_allowed)
     sharpens_predictive: ClassVar[bool] = True
-    #: a distilled model's logits are the mean of two heads: the posterior covers both (a
-    #: diagonal subnetwork posterior; one wrapped head alone does not make the logits). Read
+    #: a distilled model's logits are the mean of two heads: the posterior covers both (the
+    #: last-layer one of their joint classifier, :func:`joint_heads`; with structure='diag'
+    #: the subnetwork one; one wrapped head alone does not make the logits). Read
     #: by the walker's ``targets='last_layer'`` (:func:`bayesify.core.walker.classifier_group`;
     #: a family class attribute like ``sharpens_predictive``, not a ``Method`` member)
     every_classifier: ClassVar[bool] = True
@@ -80,25 +105,31 @@ class LaplaceMethod(Method):
         the targets."""
         modules = dict(model.named_modules())
         single_linear = len(targets) == 1 and isinstance(modules[targets[0]], nn.Linear)
+        joint = joint_heads(model, targets)
         if self.config.structure == "auto":
-            chosen = auto_structure(modules[targets[0]] if single_linear else None,
-                                    self.config.max_full_params)
+            classifier = (modules[targets[0]] if single_linear
+                          else _JointShape(modules, targets) if joint else None)
+            chosen = auto_structure(classifier, self.config.max_full_params)
             logger.info("laplace: structure='auto' → %r (%s)", chosen,
-                        "a subnetwork" if not single_linear else
-                        f"{sum(p.numel() for p in modules[targets[0]].parameters())} "
-                        f"last-layer parameters; full up to {AUTO_FULL_PARAMS}")
+                        "a subnetwork" if classifier is None else
+                        f"{sum(p.numel() for p in classifier.parameters())} last-layer "
+                        f"parameters{' over the heads ' + str(targets) if joint else ''}; "
+                        f"full up to {AUTO_FULL_PARAMS}")
             self.config = dataclasses.replace(self.config, structure=chosen)
-        if self.config.structure in ("kron", "full") and not single_linear:
+        last_layer = single_linear or (joint and self.config.structure in ("kron", "full"))
+        if self.config.structure in ("kron", "full") and not last_layer:
             raise BayesifyError(
                 f"structure={self.config.structure!r} needs exactly one Linear target (the "
-                f"classifier, targets='last_layer'); got {list(targets)[:5]}. Use "
-                "structure='diag' for a subnetwork"
+                f"classifier, targets='last_layer'; or a distilled model's heads); got "
+                f"{list(targets)[:5]}. Use structure='diag' for a subnetwork"
             )
-        if not single_linear:
+        if not last_layer:
             refuse_parametrized({t: modules[t] for t in targets})
-        names = self._feature_layers(model, targets[0] if single_linear else None)
+        names = self._feature_layers(model, targets[0] if last_layer else None)
         widths = trunk.check_layers(model, names)
         wrapped = wrap_targets(self, model, targets, context)
+        if last_layer and joint:
+            wrapped[targets[0]].join([wrapped[t] for t in targets[1:]])
         if names:
             trunk.register_buffers(wrapped[targets[0]], sum(widths))
         return wrapped

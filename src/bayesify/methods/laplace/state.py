@@ -46,7 +46,8 @@ def register(bnn: BayesianModel) -> None:
     """The family state entries (called from ``prepare``)."""
     found = layers(bnn)
     single_linear = len(found) == 1 and isinstance(first(found).base_layer, nn.Linear)
-    bnn.state.add("laplace_last_layer", torch.tensor(int(single_linear)))
+    joint = first(found).joint and first(found).structure in ("kron", "full")  # distilled heads
+    bnn.state.add("laplace_last_layer", torch.tensor(int(single_linear or joint)))
     bnn.state.add("laplace_fitted", torch.tensor(0))
     bnn.state.add("laplace_train_loss", torch.zeros((), dtype=torch.float64))
 
