@@ -143,8 +143,7 @@ class LaplaceLayer(BayesianLayer):
 
     def num_params(self) -> int:
         if self.joint:
-            weights = self.map_weights()
-            return weights.numel()
+            return self.map_weights().numel()
         return sum(p.numel() for _, p in self.posterior_parameters())
 
     def mean_weight(self, name: str) -> torch.Tensor | None:
