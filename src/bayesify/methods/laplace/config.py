@@ -39,10 +39,9 @@ class LaplaceConfig(MethodConfig):
     )
     structure: str = option(
         "auto", "Hessian structure: 'kron' (KFAC G ⊗ A / N), 'diag', 'full' (exact GGN; "
-        "one Linear target each, or a distilled model's heads as one joint classifier), or "
-        "'auto': full for a classifier of ≤ 5000 parameters "
-        "(better shift NLL and OOD AUROC than kron at the same clean NLL), kron above, diag "
-        "for a subnetwork."
+        "one Linear target or a distilled model's joint heads), or 'auto': full for ≤ 5000 "
+        "classifier parameters (better shift NLL and OOD AUROC than kron at equal clean NLL), "
+        "kron above, diag for a subnetwork."
     )
     curvature: str = option(
         "auto", "Last-layer curvature: 'ggn' (softmax GGN), 'features' (a Gaussian likelihood on "
