@@ -352,12 +352,110 @@ def mixer(seed):
     return image_loaders(model, *d, seed=seed)
 
 
+def _timm_like(build, *, steps=400, lr=1e-3, weight_decay=0.05, batchnorm=False):
+    """A builder: ``build()`` trained on the RGB digits (AdamW), its loaders."""
+    def made(seed):
+        torch.manual_seed(seed)
+        d = rgb_digits(seed=seed, test=True)
+        model = build()
+        _train_any(model, d[0], d[1], steps=steps, lr=lr, weight_decay=weight_decay, seed=seed)
+        return image_loaders(model, *d, seed=seed, batchnorm=batchnorm)
+    return made
+
+
+def resmlp(seed):
+    """timm's ResMLP: Affine (a learnt per-channel scale and shift, no statistics) where
+    others normalise, layer scale."""
+    from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock
+
+    return _timm_like(lambda: MlpMixer(num_classes=10, img_size=32, patch_size=4, num_blocks=3,
+                                       embed_dim=64, mlp_ratio=4, norm_layer=Affine,
+                                       block_layer=functools.partial(ResBlock, init_values=1e-4)),
+                      steps=500)(seed)
+
+
+def xcit(seed):
+    """timm's XCiT: cross-covariance attention, a BatchNorm inside every block's local patch
+    interaction, class-attention layers on a class token."""
+    from timm.models.xcit import Xcit
+
+    return _timm_like(lambda: Xcit(img_size=32, patch_size=8, num_classes=10, embed_dim=48,
+                                   depth=2, num_heads=4, cls_attn_layers=1, eta=1.0,
+                                   tokens_norm=True), steps=500, batchnorm=True)(seed)
+
+
+def cait(seed):
+    """timm's CaiT: talking-heads attention, layer scale, class-attention blocks."""
+    from timm.models.cait import Cait
+
+    return _timm_like(lambda: Cait(img_size=32, patch_size=4, num_classes=10, embed_dim=48,
+                                   depth=2, num_heads=4, depth_token_only=1, init_values=1e-5),
+                      steps=500)(seed)
+
+
+def mobilenet_v3(seed):
+    """torchvision's MobileNetV3-Small: hard-swish, squeeze-excitation with hard-sigmoid,
+    a Linear-Hardswish-Dropout-Linear classifier."""
+    import torchvision
+
+    return _timm_like(lambda: torchvision.models.mobilenet_v3_small(num_classes=10),
+                      steps=400, lr=2e-3, weight_decay=0.01, batchnorm=True)(seed)
+
+
+def maxvit(seed):
+    """torchvision's MaxViT: MBConv, block and grid attention (windows partitioned into the
+    batch and back), stochastic depth."""
+    import torchvision
+
+    return _timm_like(lambda: torchvision.models.MaxVit(
+        input_size=(32, 32), stem_channels=16, partition_size=2, block_channels=[32, 64],
+        block_layers=[1, 1], head_dim=16, stochastic_depth_prob=0.1, num_classes=10),
+        steps=400, batchnorm=True)(seed)
+
+
+def tv_vit(seed):
+    """torchvision's VisionTransformer (class token, its own encoder blocks)."""
+    import torchvision
+
+    return _timm_like(lambda: torchvision.models.VisionTransformer(
+        image_size=32, patch_size=4, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128,
+        num_classes=10), steps=600)(seed)
+
+
+def ghostnet(seed):
+    """timm's GhostNet: ghost modules (cheap depthwise features concatenated), SE, a 1x1
+    conv head after pooling, dropout."""
+    import timm
+
+    return _timm_like(lambda: timm.create_model("ghostnet_050", num_classes=10),
+                      steps=400, lr=2e-3, weight_decay=0.01, batchnorm=True)(seed)
+
+
+def repvit(seed):
+    """timm's RepViT: re-parameterisable convolution branches with BatchNorm, a distilled
+    classifier (BatchNorm + Linear, two heads averaged in eval mode)."""
+    import timm
+
+    return _timm_like(lambda: timm.create_model("repvit_m0_9", num_classes=10),
+                      steps=300, lr=2e-3, weight_decay=0.01, batchnorm=True)(seed)
+
+
+def fastvit(seed):
+    """timm's FastViT: MobileOne-style train-time branches, RepMixer token mixing,
+    large-kernel convolutional position encodings."""
+    import timm
+
+    return _timm_like(lambda: timm.create_model("fastvit_t8", num_classes=10),
+                      steps=300, lr=2e-3, weight_decay=0.01, batchnorm=True)(seed)
+
+
 NETS = {"resnet18": resnet18, "vit": vit, "effb0": effb0,
         "convnext": lambda seed: convnext(seed=seed, test=True),
         **{f.__name__: f for f in (gn_resnet, frozen_bn_resnet, squeezenet, googlenet, densenet,
                                    gru_text, conv1d, tied, swin, deit_distilled, shufflenet,
                                    channels_last, _normed("weight"), _normed("spectral"),
-                                   mlp_head_cnn, mixer)}}
+                                   mlp_head_cnn, mixer, resmlp, xcit, cait, mobilenet_v3,
+                                   maxvit, tv_vit, ghostnet, repvit, fastvit)}}
 
 
 def label_smoothed(build):

@@ -53,6 +53,21 @@ class ImgDS(Dataset):
     def __len__(self): return len(self.y)
     def __getitem__(self, i): return {"pixel_values": self.x[i], "labels": self.y[i]}
 
+class AudioDS(Dataset):
+    """Raw waveforms (``input_values`` [samples]) whose tone's frequency carries the label,
+    padded to one length with an ``attention_mask`` (Wav2Vec2-style audio classifiers)."""
+    def __init__(self, n, seed, length=800):
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+        t = torch.arange(length) / 1600.0
+        lens = torch.randint(length // 2, length + 1, (n,), generator=g)
+        self.mask = (torch.arange(length)[None] < lens[:, None]).long()
+        tone = torch.sin(2 * torch.pi * (100.0 + 150.0 * self.y[:, None].float()) * t[None])
+        self.x = (tone + 0.3 * torch.randn(n, length, generator=g)) * self.mask
+    def __len__(self): return len(self.y)
+    def __getitem__(self, i):
+        return {"input_values": self.x[i], "attention_mask": self.mask[i], "labels": self.y[i]}
+
 def pretrain(model, ds, steps=150):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
@@ -145,6 +160,53 @@ def build(name):
                            num_attention_heads=2, intermediate_size=64, num_labels=3,
                            use_mean_pooling=True)
         return T.BeitForImageClassification(cfg), ImgDS
+    # thirty-sixth stop: audio, weight-standardised convolutions, GRN, more poolings
+    if name == "wav2vec2":  # raw audio, a convolutional feature encoder, masked mean pooling
+        cfg = T.Wav2Vec2Config(vocab_size=32, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+                               conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=8,
+                               num_conv_pos_embedding_groups=2, classifier_proj_size=16,
+                               num_labels=3, feat_extract_norm="layer", do_stable_layer_norm=True)
+        return T.Wav2Vec2ForSequenceClassification(cfg), AudioDS
+    if name == "hf_convnextv2":  # global response normalisation
+        cfg = T.ConvNextV2Config(num_channels=3, num_stages=2, hidden_sizes=[16, 32],
+                                 depths=[1, 1], num_labels=3, image_size=32)
+        return T.ConvNextV2ForImageClassification(cfg), ImgDS
+    if name == "hf_swinv2":  # cosine attention, log-spaced continuous position bias
+        cfg = T.Swinv2Config(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                             num_heads=[2, 2], window_size=4, num_labels=3)
+        return T.Swinv2ForImageClassification(cfg), ImgDS
+    if name == "hf_segformer":  # efficient attention with spatial reduction, mean pooling
+        cfg = T.SegformerConfig(num_channels=3, num_encoder_blocks=2, depths=[1, 1],
+                                sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3],
+                                strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+                                num_labels=3)
+        return T.SegformerForImageClassification(cfg), ImgDS
+    if name == "hf_regnet":  # grouped convolutions, squeeze-excitation
+        cfg = T.RegNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                             groups_width=8, num_labels=3)
+        return T.RegNetForImageClassification(cfg), ImgDS
+    if name == "hf_bit":  # weight-standardised convolutions, GroupNorm
+        cfg = T.BitConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_groups=4,
+                          num_labels=3)
+        return T.BitForImageClassification(cfg), ImgDS
+    if name == "xlnet":  # the last token's summary (relative attention, memory)
+        cfg = T.XLNetConfig(vocab_size=100, d_model=32, n_layer=2, n_head=2, d_inner=64,
+                            num_labels=3, pad_token_id=0)
+        return T.XLNetForSequenceClassification(cfg), TokDS
+    if name == "t5":  # encoder-decoder, RMS LayerNorm, the <eos> state into a head
+        cfg = T.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=1,
+                         num_decoder_layers=1, num_heads=2, num_labels=3, pad_token_id=0,
+                         eos_token_id=4, decoder_start_token_id=0)
+        return T.T5ForSequenceClassification(cfg), EosDS
+    if name == "hf_clip":  # CLIP's vision tower, mean-pooled patches into a Linear head
+        cfg = T.CLIPConfig(vision_config={"image_size": 32, "patch_size": 8, "hidden_size": 32,
+                                          "num_hidden_layers": 2, "num_attention_heads": 2,
+                                          "intermediate_size": 64},
+                           text_config={"vocab_size": 100, "hidden_size": 32,
+                                        "num_hidden_layers": 1, "num_attention_heads": 2,
+                                        "intermediate_size": 64}, num_labels=3)
+        return T.CLIPForImageClassification(cfg), ImgDS
 
 @torch.no_grad()
 def _accuracy(bnn, loader) -> float:

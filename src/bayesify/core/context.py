@@ -148,6 +148,13 @@ class SamplingContext:
     def deterministic(self) -> bool:
         return self.force_deterministic or self.plan.deterministic
 
+    def planned_rows(self) -> int | torch.SymInt | None:
+        """Rows of the active plan (its component or member index; symbolic where an export
+        traces the batch), None without one."""
+        plan = self.plan
+        index = plan.component if plan.component is not None else plan.member
+        return None if index is None else index.shape[0]
+
     def components_for(self, rows: int, device: torch.device) -> torch.Tensor:
         """``[rows]`` component index per row of a layer's input.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,8 @@ from torch import nn
 from bayesify.core.context import SamplingContext
 from bayesify.core.names import in_base_layer
 from bayesify.errors import BayesifyError
+
+logger = logging.getLogger(__name__)
 
 #: shape/configuration attributes copied from the wrapped layer (read-only views)
 SHAPE_ATTRIBUTES = (
@@ -74,6 +77,10 @@ class BayesianLayer(nn.Module):
     tensor to compute with, which is ``layer.base_layer.weight``.
     """
 
+    #: set at the first forward whose input does not carry the batch (:meth:`__call__`): the
+    #: layer runs as the network's own, and an export's member copies keep its weights
+    batch_free: bool = False
+
     def __init__(self, base_layer: nn.Module, context: SamplingContext) -> None:
         super().__init__()
         self.base_layer = base_layer
@@ -83,6 +90,38 @@ class BayesianLayer(nn.Module):
         for attr in SHAPE_ATTRIBUTES:
             if attr in base_layer.__dict__ and not hasattr(type(self), attr):
                 object.__setattr__(self, attr, base_layer.__dict__[attr])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped layer alone for an input that does not carry the batch (one row where
+        the sampling plan has several): a table every example shares — Swin V2's
+        continuous position bias MLP on its coordinate table (Hugging Face's
+        ``continuous_position_bias_mlp``, timm's and torchvision's ``cpb_mlp``). Its output
+        is added to every window's attention, so it cannot differ per member; before, every
+        family but laplace, epinet, abnn and SWAG stopped there ("a wrapped layer received 1
+        rows but the sampling plan has 64"). Logged once per layer; :attr:`batch_free` says
+        so after (:func:`find_batch_free`)."""
+        if self._batch_free(args):
+            return self.base_layer(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def _batch_free(self, args: tuple[Any, ...]) -> bool:
+        first = args[0] if args else None
+        if not isinstance(first, torch.Tensor) or first.dim() == 0:
+            return False
+        rows = first.shape[0]
+        if not isinstance(rows, int) or rows != 1:  # a traced (symbolic) batch is a batch
+            return False
+        planned = self.context.planned_rows()
+        if planned is None or (isinstance(planned, int) and planned <= 1):
+            return False  # (a traced plan is a batch of two or more, unguarded)
+        if not self.batch_free:
+            self.batch_free = True
+            logger.info("%s (layer %d) receives an input that does not carry the batch (1 row "
+                        "where the sampling plan has %d, e.g. a position-bias table every "
+                        "example shares): it runs as the network's own layer, without a "
+                        "posterior; exclude it (exclude=[...]) to drop its posterior "
+                        "parameters", type(self).__name__, self.layer_id, planned)
+        return True
 
     def __getattr__(self, name: str):
         try:
@@ -202,3 +241,17 @@ def concatenated_kl(layers: list[Any], *, key: Callable[[Any], tuple],
     means = [t for layer in layers for t in parts(layer)[0]]
     rhos = [t for layer in layers for t in parts(layer)[1]]
     return kl(first, torch.cat(means, 1), torch.cat(rhos, 1))
+
+
+def find_batch_free(bnn: Any, example_input: Any) -> dict[str, BayesianLayer]:
+    """The wrapped layers of ``bnn`` whose input does not carry the batch
+    (:attr:`BayesianLayer.batch_free`), after one predictive pass on ``example_input`` when no
+    forward has run yet: an export's member copies keep their network weights, as the
+    in-process members do."""
+    layers = bnn.bayesian_layers()
+    if not any(layer.batch_free for layer in layers.values()):
+        inputs = getattr(example_input, "model_input", None)  # a Batch: its inputs
+        with torch.no_grad():
+            bnn.predictive(inputs() if callable(inputs) else example_input,
+                           samples_per_component=1)
+    return {name: layer for name, layer in layers.items() if layer.batch_free}

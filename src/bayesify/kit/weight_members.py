@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from bayesify.core.layers import find_batch_free
 from bayesify.core.method import member_components
 from bayesify.kit.stacked import StackedModels
 
@@ -32,7 +33,8 @@ def export_weight_members(
     """
     device = example_input.device
     num_members = member_components(bnn.method.components, samples_per_component).shape[0]
-    layers = bnn.bayesian_layers()
+    shared = find_batch_free(bnn, example_input)
+    layers = {name: layer for name, layer in bnn.bayesian_layers().items() if name not in shared}
     models = []
     for m in range(num_members):
         member = torch.tensor([m], device=device)

@@ -14,11 +14,13 @@ Training is unchanged (the routing layer is not touched).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from bayesify.core.layers import find_batch_free
 from bayesify.core.method import member_components
 from bayesify.core.outputs import logits_of
 from bayesify.errors import BayesifyError
@@ -43,10 +45,14 @@ class ComponentStack(nn.Module):
 
 
 @torch.no_grad()
-def component_network(bnn: BayesianModel, k: int) -> nn.Module:
-    """A copy of the unwrapped network that computes ensemble member ``k`` alone."""
+def component_network(bnn: BayesianModel, k: int, shared: Iterable[str] = ()) -> nn.Module:
+    """A copy of the unwrapped network that computes ensemble member ``k`` alone; the layers
+    named in ``shared`` (:func:`~bayesify.core.layers.find_batch_free`) keep the network's
+    weights, as they do in process."""
     net = bnn.unwrap().eval()
     for name, layer in bnn.bayesian_layers().items():
+        if name in shared:
+            continue
         module = net.get_submodule(name) if name else net
         if isinstance(layer, EnsembleLayer):
             module.weight.copy_(layer.member_weight[k].to(module.weight.dtype))
@@ -81,5 +87,6 @@ def export_ensemble(bnn: BayesianModel, *, samples_per_component: int,
     """``x → [M, B, C]``: K member networks, member m = component ``member_components[m]``."""
     components = bnn.method.components
     members = member_components(components, samples_per_component, example_input.device)
-    models = [component_network(bnn, k) for k in range(components)]
+    shared = find_batch_free(bnn, example_input)
+    models = [component_network(bnn, k, shared) for k in range(components)]
     return ComponentStack(models, members)
