@@ -52,15 +52,33 @@ def model() -> nn.Module:
 @pytest.mark.parametrize("family", list_methods())
 def test_every_family_fits_and_predicts_a_network_with_a_shared_table(family, caplog):
     bnn = bayesify(model(), family)
-    with caplog.at_level(logging.INFO, logger="bayesify.core.layers"):
+    with caplog.at_level(logging.INFO, logger="bayesify.core.layout"):
         fit(bnn, DataLoader(data(), batch_size=16), epochs=1, progress=False, seed=0)
         probs = bnn.predictor()(data(8, 1).tensors[0]).probs
     assert probs.shape == (8, 3) and torch.isfinite(probs).all()
+    layers = bnn.bayesian_layers()
+    table = [layer for name, layer in layers.items() if name.startswith("mlp.")
+             and layer.deals_rows]
+    assert all(layer.layout is None and layer.batch_free for layer in table)
+    assert all(layer.layout == 0 for name, layer in layers.items()
+               if not name.startswith("mlp.") and layer.deals_rows)
+    if table:  # said once, by the probe
+        told = [r.getMessage() for r in caplog.records if "without the batch" in r.getMessage()]
+        assert len(told) == 1 and f"; {len(table)} take an input without" in told[0]
+
+
+def test_a_traced_first_forward_takes_one_row_under_a_plan_of_several_as_a_table(caplog):
+    """Where no probe ran (a first forward under torch.compile / export), the rule of one
+    row under a plan of several rows stands in, logged once per layer."""
+    bnn = bayesify(model(), "ibnn")
+    bnn.context.layout_probed = True  # as if traced: no probe
+    x = data(4, 2).tensors[0]
+    with caplog.at_level(logging.INFO, logger="bayesify.core.layers"), torch.no_grad():
+        bnn.predictor()(x)
+        bnn.predictor()(x)
     told = [r.getMessage() for r in caplog.records if "does not carry the batch" in r.getMessage()]
-    assert len(set(told)) == len(told)  # once per layer
-    wrapped = [n for n in bnn.bayesian_layers() if n.startswith("mlp.")]
-    if wrapped and bnn.method_name not in ("laplace", "swag"):  # they wrap no rows
-        assert len(told) == len(wrapped), (wrapped, told)
+    assert len(told) == 2  # mlp.0 and mlp.2, once each
+    assert bnn.bayesian_layers()["mlp.0"].batch_free
 
 
 @pytest.mark.parametrize("family", ["ibnn", "rank1", "ensemble"])

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bayesify.core import layout
 from bayesify.core.names import BASE_LAYER
 from bayesify.errors import BayesifyError
 
@@ -400,7 +401,9 @@ def call_with(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def _calling(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``model(*args, **kwargs)``; a dtype error from integer inputs becomes a
-    :class:`BayesifyError` saying how to convert them."""
+    :class:`BayesifyError` saying how to convert them. A bayesified network's first call
+    under a sampling plan probes its layers' layouts first (:mod:`bayesify.core.layout`)."""
+    layout.before_call(model, args, kwargs)
     try:
         return model(*args, **kwargs)
     except RuntimeError as err:

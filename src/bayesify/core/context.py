@@ -82,6 +82,9 @@ class SamplingContext:
         #: steps see no changing Python state
         self.pass_id = 0
         self.track_passes = False
+        #: the layout probe (bayesify.core.layout): done once per model; running now
+        self.layout_probed = False
+        self.probing = False
 
     def new_pass(self) -> None:
         if self.track_passes:

@@ -80,6 +80,15 @@ class BayesianLayer(nn.Module):
     #: set at the first forward whose input does not carry the batch (:meth:`__call__`): the
     #: layer runs as the network's own, and an export's member copies keep its weights
     batch_free: bool = False
+    #: whether the layer deals the rows of its input to posterior members (the sampling
+    #: plan); False where every row of a pass computes alike (SWAG's sampled weights,
+    #: Laplace's last layer), which then ignore :attr:`layout`
+    deals_rows: bool = True
+    #: where the layer's input keeps the batch (:mod:`bayesify.core.layout`): 0, 1 (sequence
+    #: first), None (no batch), "unknown" (the probe could not tell) or "unprobed"
+    layout: int | str | None = "unprobed"
+    #: the shapes of the layer's inputs while the layout probe runs (None otherwise)
+    probe_shapes: list[Any] | None = None
 
     def __init__(self, base_layer: nn.Module, context: SamplingContext) -> None:
         super().__init__()
@@ -92,20 +101,37 @@ class BayesianLayer(nn.Module):
                 object.__setattr__(self, attr, base_layer.__dict__[attr])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped layer alone for an input that does not carry the batch (one row where
-        the sampling plan has several): a table every example shares — Swin V2's
-        continuous position bias MLP on its coordinate table (Hugging Face's
-        ``continuous_position_bias_mlp``, timm's and torchvision's ``cpb_mlp``). Its output
-        is added to every window's attention, so it cannot differ per member; before, every
-        family but laplace, epinet, abnn and SWAG stopped there ("a wrapped layer received 1
-        rows but the sampling plan has 64"). Logged once per layer; :attr:`batch_free` says
-        so after (:func:`find_batch_free`)."""
-        if self._batch_free(args):
+        """The layer's forward where its input keeps the batch in front; else as its
+        :attr:`layout` says (found by :mod:`bayesify.core.layout`'s probe):
+
+        * batch in the second dimension (``[length, batch, …]``: ``nn.TransformerEncoder``
+          with ``batch_first=False``, XLNet): fed transposed, its output transposed back;
+        * no batch (a table every example shares: Swin V2's continuous position bias MLP on
+          its coordinate table — Hugging Face's ``continuous_position_bias_mlp``, timm's
+          and torchvision's ``cpb_mlp``): the network's own layer (its output is added to
+          every example, so it cannot differ per member; :attr:`batch_free`). Where no probe
+          ran (a traced first forward), an input of one row under a plan of several is taken
+          as such a table, logged once per layer.
+
+        Before the thirty-sixth stop every family that deals rows to members stopped at
+        both ("a wrapped layer received 1 rows but the sampling plan has 64")."""
+        if not self.deals_rows:
+            return super().__call__(*args, **kwargs)
+        first = args[0] if args else None
+        if self.probe_shapes is not None:  # the layout probe's pass: record, compute as the network
+            self.probe_shapes.append(first.shape if isinstance(first, torch.Tensor) else None)
             return self.base_layer(*args, **kwargs)
+        layout = self.layout
+        if layout is None or (layout in ("unprobed", "unknown") and self._batch_free(first)):
+            self.batch_free = True
+            return self.base_layer(*args, **kwargs)
+        if layout == 1 and isinstance(first, torch.Tensor) and first.dim() >= 2:
+            out = super().__call__(first.transpose(0, 1), *args[1:], **kwargs)
+            return out.transpose(0, 1).contiguous()
         return super().__call__(*args, **kwargs)
 
-    def _batch_free(self, args: tuple[Any, ...]) -> bool:
-        first = args[0] if args else None
+    def _batch_free(self, first: Any) -> bool:
+        """Whether ``first`` (the input) has one row where the active plan has several."""
         if not isinstance(first, torch.Tensor) or first.dim() == 0:
             return False
         rows = first.shape[0]
@@ -115,7 +141,6 @@ class BayesianLayer(nn.Module):
         if planned is None or (isinstance(planned, int) and planned <= 1):
             return False  # (a traced plan is a batch of two or more, unguarded)
         if not self.batch_free:
-            self.batch_free = True
             logger.info("%s (layer %d) receives an input that does not carry the batch (1 row "
                         "where the sampling plan has %d, e.g. a position-bias table every "
                         "example shares): it runs as the network's own layer, without a "

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from bayesify.core import layout
 from bayesify.core.batch import call_with
 from bayesify.core.context import SamplingContext
 from bayesify.core.digests import fingerprint_from_digests, tensor_digest
@@ -78,6 +79,8 @@ class BayesianModel(nn.Module):
         #: per-model caches and data sources of the family: never saved (see RuntimeCache)
         self.runtime = RuntimeCache()
         self.register_load_state_dict_post_hook(forget_derived_on_load)
+        # finds where every wrapped layer's input keeps the batch, at the first planned forward
+        layout.install(model, context)
         self.bn_train = False
         # inspect.signature(bnn.forward) is the wrapped model's (HF Trainer column pruning)
         bound = forward_with_signature(self, type(self).forward, model)

@@ -93,6 +93,8 @@ class SWAGLayer(BayesianLayer):
     swaps sampled values in for ``theta.*`` with ``torch.func.functional_call``.
     """
 
+    deals_rows = False  # every row of a pass computes alike
+
     def __init__(self, base_layer: nn.Module, *, context: SamplingContext, config: SWAGConfig) -> None:
         super().__init__(base_layer, context)
         params = dict(base_layer.named_parameters())
@@ -140,6 +142,8 @@ class SWAGBatchNorm(BayesianLayer):
     predictor (seed 0), stored so that a reloaded posterior predicts exactly as the
     fitted one without the training data. The base BatchNorm is never changed.
     """
+
+    deals_rows = False  # every row of a pass computes alike
 
     def __init__(self, base_layer: nn.Module, *, context: SamplingContext, members: int) -> None:
         super().__init__(base_layer, context)
