@@ -81,6 +81,8 @@ def install(model: nn.Module, context: SamplingContext) -> None:
 def before_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Run the probe before ``model(*args, **kwargs)`` where ``model`` is a bayesified network
     (or a data-parallel wrapper of one) not probed yet, called under a sampling plan, eagerly."""
+    if torch.compiler.is_compiling():  # traced: the layers keep the old rules (and the
+        return  # compiled graph holds no guard on the registry)
     context = _NETWORKS.get(model) if isinstance(model, nn.Module) else None
     if context is None:
         inner = getattr(model, "module", None)  # DistributedDataParallel, DataParallel
@@ -88,8 +90,8 @@ def before_call(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> No
         model = inner
     if context is None or context.layout_probed or context.probing:
         return
-    if context.planned_rows() is None or torch.compiler.is_compiling():
-        return  # no plan yet; traced: the layers keep the old rules
+    if context.planned_rows() is None:
+        return  # no plan yet
     context.layout_probed = True  # once, whatever happens
     try:
         probe(model, context, args, kwargs)
