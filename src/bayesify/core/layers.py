@@ -270,13 +270,14 @@ def concatenated_kl(layers: list[Any], *, key: Callable[[Any], tuple],
 
 def find_batch_free(bnn: Any, example_input: Any) -> dict[str, BayesianLayer]:
     """The wrapped layers of ``bnn`` whose input does not carry the batch
-    (:attr:`BayesianLayer.batch_free`), after one predictive pass on ``example_input`` when no
-    forward has run yet: an export's member copies keep their network weights, as the
-    in-process members do."""
+    (:attr:`BayesianLayer.batch_free`, or so found by the layout probe), after one predictive
+    pass on ``example_input`` where no planned forward has run yet: an export's member copies
+    keep their network weights, as the in-process members do."""
     layers = bnn.bayesian_layers()
-    if not any(layer.batch_free for layer in layers.values()):
+    if not bnn.context.layout_probed and not any(layer.batch_free for layer in layers.values()):
         inputs = getattr(example_input, "model_input", None)  # a Batch: its inputs
         with torch.no_grad():
             bnn.predictive(inputs() if callable(inputs) else example_input,
                            samples_per_component=1)
-    return {name: layer for name, layer in layers.items() if layer.batch_free}
+    return {name: layer for name, layer in layers.items()
+            if layer.batch_free or layer.layout is None}
