@@ -71,6 +71,15 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session36.md", "Where a layer's input keeps the batch: sequence-first networks "
+             "(XLNet, nn.TransformerEncoder batch_first=False) and shared tables (Swin V2's "
+             "position-bias MLP); a crash hunt on 18 more kinds of network; unseen errors in "
+             "every candidate's clean score, tried and not kept",
+             "OMP_NUM_THREADS=1 python benchmarks/hf_classes.py wav2vec2,...,hf_clip; EPOCHS=1 "
+             "OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py NET 0 F.jsonl; "
+             "BAYESIFY_BENCH_CACHE=cache python benchmarks/quality.py --protocol P --seeds 0 1 2 "
+             "--methods laplace (with the branch tried/unseen-candidates); the text is written "
+             "by hand"),
         Part("session35.md", "Every family's Laplace heads on decoder and distilled "
              "classifiers; faults of real model kinds (BART/T5 <eos> pooling, RMSNorm, "
              "torch.compile, gradient checkpointing, heads after a custom loop); "
