@@ -165,8 +165,7 @@ def probe(model: nn.Module, context: SamplingContext, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> None:
     """Run ``model`` on :data:`PROBE_ROWS` copies of the first example of ``args``/``kwargs``
     (eval mode, no gradients, no forward hooks, every wrapped layer as its network layer)
-    and set every wrapped
-    layer's ``layout`` (:func:`batch_dimension`)."""
+    and set every wrapped layer's ``layout`` (:func:`batch_dimension`)."""
     layers = _layers(model, context)
     if not layers:
         return
