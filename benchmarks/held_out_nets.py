@@ -449,13 +449,58 @@ def fastvit(seed):
                       steps=300, lr=2e-3, weight_decay=0.01, batchnorm=True)(seed)
 
 
+#: thirty-seventh stop: more timm kinds, built by name (model name, create_model options,
+#: training steps, BatchNorm inside, what is new in it)
+TIMM_KINDS = {
+    "nf_regnet": ("nf_regnet_b0", {}, 300, False,
+                  "normaliser-free: ScaledStdConv2d (weights standardised in forward), no norms"),
+    "tf_effnet": ("tf_efficientnet_b0", {}, 300, True,
+                  "TensorFlow-ported: Conv2dSame (padding computed from the input in forward)"),
+    "mixnet": ("mixnet_s", {}, 300, True, "MixedConv2d: channel groups with their own kernels"),
+    "efficientformerv2": ("efficientformerv2_s0", {"img_size": 32}, 300, True,
+                          "4-D attention with talking heads, BatchNorm in attention"),
+    "mobilevitv2": ("mobilevitv2_050", {"img_size": 32}, 300, True,
+                    "separable self-attention over unfolded patches"),
+    "edgenext": ("edgenext_xx_small", {}, 300, False,
+                 "split depth-wise transposed attention (cross-covariance)"),
+    "pvt_v2": ("pvt_v2_b0", {}, 300, False, "spatial-reduction attention, overlapping patches"),
+    "hgnetv2": ("hgnetv2_b0", {}, 300, True, "learnable affine blocks after activations"),
+    "fasternet": ("fasternet_t0", {}, 300, True, "partial convolution on a slice of channels"),
+    "efficientvit_m": ("efficientvit_m0", {"img_size": 32}, 300, True,
+                       "cascaded group attention on channel splits"),
+    "levit": ("levit_128s", {"img_size": 32}, 300, True,
+              "Linear + BatchNorm1d on flattened tokens, attention-bias tables"),
+    "coat": ("coat_lite_tiny", {"img_size": 32}, 300, False,
+             "convolutional relative position encoding on split heads"),
+    "eva02": ("eva02_tiny_patch14_224", {"img_size": 32, "patch_size": 4}, 300, False,
+              "rotary position embeddings, SwiGLU"),
+    "pit": ("pit_ti_224", {"img_size": 32}, 300, False, "pooling layers that reshape tokens"),
+    "convit": ("convit_tiny", {"img_size": 32}, 300, False, "gated positional self-attention"),
+    "starnet": ("starnet_s1", {}, 300, True, "element-wise multiplication of two branches"),
+    "mambaout": ("mambaout_femto", {}, 300, False, "gated CNN blocks, channels last"),
+}
+
+
+def _timm_kind(key):
+    model_name, options, steps, batchnorm, _ = TIMM_KINDS[key]
+
+    def build(seed):
+        import timm
+
+        return _timm_like(lambda: timm.create_model(model_name, num_classes=10, **options),
+                          steps=steps, lr=2e-3, weight_decay=0.01, batchnorm=batchnorm)(seed)
+    build.__name__ = key
+    return build
+
+
 NETS = {"resnet18": resnet18, "vit": vit, "effb0": effb0,
         "convnext": lambda seed: convnext(seed=seed, test=True),
         **{f.__name__: f for f in (gn_resnet, frozen_bn_resnet, squeezenet, googlenet, densenet,
                                    gru_text, conv1d, tied, swin, deit_distilled, shufflenet,
                                    channels_last, _normed("weight"), _normed("spectral"),
                                    mlp_head_cnn, mixer, resmlp, xcit, cait, mobilenet_v3,
-                                   maxvit, tv_vit, ghostnet, repvit, fastvit)}}
+                                   maxvit, tv_vit, ghostnet, repvit, fastvit)},
+        **{key: _timm_kind(key) for key in TIMM_KINDS}}
 
 
 def label_smoothed(build):
