@@ -31,6 +31,7 @@ from bayesify.errors import BayesifyError
 from bayesify.kit.gaussian import gaussian_kl, inverse_softplus
 from bayesify.kit.knobs import times_knob
 from bayesify.kit.tiled import TiledMethod
+from bayesify.kit.weightspace import apply_layer, has_own_forward
 
 INIT_CHOICES = ("random_sign", "normal", "ones")
 
@@ -54,6 +55,8 @@ def init_factor(shape: tuple[int, int], *, init: str, sign_prob: float, std: flo
 def forward_without_bias(module: nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """``x W`` of a Linear / Conv (its padding mode, stride, groups) with no bias added."""
     weight = module.weight if weight is None else weight
+    if has_own_forward(module):  # weight standardisation, same padding: its own forward
+        return apply_layer(module, x, weight, None)
     if isinstance(module, nn.Linear):
         return F.linear(x, weight)
     # _conv_forward applies padding_mode, stride, dilation and groups of the module

@@ -2,7 +2,9 @@
 
 * :func:`apply_layer` runs a Linear/Conv with *given* weight and bias tensors
   (honouring stride, padding, padding mode, dilation and groups of the module),
-  so a layer can use sampled weights without touching the module's own.
+  so a layer can use sampled weights without touching the module's own; a subclass
+  with its own ``forward`` (:func:`has_own_forward`: weight-standardised or
+  same-padded convolutions) runs that forward on the given tensors.
 * :func:`member_rows` reads the sampling plan: which members are present in
   this batch and which member every row belongs to.
 * :func:`member_normal` draws one noise vector per member: seeded per
@@ -42,13 +44,57 @@ def _explicit_padding(module: nn.modules.conv._ConvNd) -> tuple[int, ...]:
     return tuple(module.padding)
 
 
+#: Linear/Conv subclasses whose own ``forward`` is the plain operation (timm's ``Linear``
+#: only casts for TorchScript): they keep the fast paths (local reparameterisation)
+_PLAIN_SUBCLASSES = frozenset({"timm.layers.linear.Linear"})
+_PLAIN_OPS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def has_own_forward(module: nn.Module) -> bool:
+    """Whether a Linear/Conv computes with more than its weight's plain operation: a
+    subclass that overrides ``forward`` or ``_conv_forward`` — timm's ``StdConv2d`` and
+    ``ScaledStdConv2d`` (BiT, NFNet, hybrid ViTs) and Hugging Face BiT's convolutions
+    standardise the weight first; timm's ``Conv2dSame`` (TensorFlow-ported EfficientNets)
+    pads from the input's size. A posterior's weights must go through that forward: the
+    plain operation on them is another network (up to 9 nats per example on a BiT-style
+    layer)."""
+    for base in _PLAIN_OPS:
+        if isinstance(module, base):
+            cls = type(module)
+            if f"{cls.__module__}.{cls.__qualname__}" in _PLAIN_SUBCLASSES:
+                return False
+            return (cls.forward is not base.forward
+                    or getattr(cls, "_conv_forward", None) is not getattr(base, "_conv_forward", None))
+    return False
+
+
+def _own_forward(module: nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``module``'s own forward with ``weight``/``bias`` in place of its parameters (no bias:
+    a zero bias where the module has one, the bias added after where it has none)."""
+    tensors = {"weight": weight}
+    own_bias = getattr(module, "bias", None)
+    if own_bias is not None:
+        tensors["bias"] = bias if bias is not None else torch.zeros(
+            own_bias.shape, dtype=weight.dtype, device=weight.device)
+    out = torch.func.functional_call(module, tensors, (x,))
+    if own_bias is None and bias is not None:
+        shape = [1] * out.dim()
+        shape[-1 if isinstance(module, nn.Linear) else 1] = bias.shape[-1]
+        out = out + bias.view(shape)
+    return out
+
+
 def apply_layer(
     module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``module``'s operation with ``weight``/``bias`` in place of its own.
 
-    Linear: ``x [..., in] → [..., out]``; ConvNd: ``x [B, C, *spatial]``.
+    Linear: ``x [..., in] → [..., out]``; ConvNd: ``x [B, C, *spatial]``. A layer with its
+    own forward (:func:`has_own_forward`) runs it on the given tensors.
     """
+    if has_own_forward(module):
+        return _own_forward(module, x, weight, bias)
     if isinstance(module, nn.Linear):
         return F.linear(x, weight, bias)
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):

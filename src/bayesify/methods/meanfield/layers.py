@@ -16,6 +16,8 @@ posterior parameters. Three estimators of the forward pass:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,10 +30,13 @@ from bayesify.kit.priors import WeightPrior
 from bayesify.kit.weightspace import (
     apply_layer,
     batched_apply,
+    has_own_forward,
     member_normal,
     member_rows,
 )
 from bayesify.methods.meanfield.config import MeanFieldConfig
+
+logger = logging.getLogger(__name__)
 
 #: keeps sqrt(var) differentiable where an input row is exactly zero (ReLU, padding)
 _VAR_EPS = 1e-16
@@ -52,6 +57,13 @@ class MeanFieldLayer(BayesianLayer):
             self.predict_sampling = "local_reparam" if self.sampling == "local_reparam" else "weights"
         self.prior = WeightPrior.from_config(config)
         self.axis = channel_axis(base_layer)
+        #: a layer whose forward transforms its weight (standardisation, same padding):
+        #: local reparameterisation and flipout assume the plain operation, so its
+        #: members' weights are sampled and go through that forward
+        self.own_forward = has_own_forward(base_layer)
+        if self.own_forward and "weights" not in (self.sampling, self.predict_sampling):
+            logger.info("meanfield: %s has its own forward (it transforms its weight): sampled "
+                        "weights, not %s, on this layer", type(base_layer).__name__, self.sampling)
         weight = base_layer.weight.detach()
         dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
         w = weight.to(dtype)
@@ -109,6 +121,8 @@ class MeanFieldLayer(BayesianLayer):
         if self.context.deterministic:
             return apply_layer(self.base_layer, x, self.weight_mu.to(x.dtype), _cast(self._mean_bias(), x))
         mode = self.sampling if self.training else self.predict_sampling
+        if mode != "weights" and self.own_forward:
+            mode = "weights"  # its forward transforms the weight: sampled weights go through it
         if mode == "local_reparam":
             return self.local_reparam_forward(x)
         if mode == "flipout":

@@ -36,7 +36,13 @@ from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
 from bayesify.kit.gaussian import gaussian_kl, inverse_softplus
 from bayesify.kit.knobs import times_knob
-from bayesify.kit.weightspace import apply_layer
+from bayesify.kit.weightspace import (
+    apply_layer,
+    batched_apply,
+    has_own_forward,
+    member_normal,
+    member_rows,
+)
 from bayesify.methods.mnf.bound import InverseModel, node_prior_kl, node_view
 from bayesify.methods.mnf.config import MNFConfig
 from bayesify.methods.mnf.flows import CouplingFlow
@@ -119,10 +125,22 @@ class MNFLayer(BayesianLayer):
     # -- forward -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         z = self.node_noise(x.shape[0], x.device)
-        mean = self.base_layer(x * broadcast_rows(z, x, self.axis).to(x.dtype))
+        scaled = x * broadcast_rows(z, x, self.axis).to(x.dtype)
         if self.weight_rho is None or self.context.deterministic:
-            return mean
+            return self.base_layer(scaled)
         sigma = times_knob(self.weight_sigma, self)
+        if has_own_forward(self.base_layer):
+            # its forward transforms the weight (standardisation, same padding): the local
+            # reparameterisation below assumes the plain operation, so every member's
+            # weight noise is sampled and goes through that forward (on x ∘ z: the noise's
+            # σ scaled by z ≈ 1 there)
+            ids, row_member, num_members = member_rows(self.context, x.shape[0], x.device)
+            eps = member_normal(self.context, self.noise_id, ids, num_members, sigma.numel(),
+                                x.device).view(len(ids), *sigma.shape).to(sigma.dtype)
+            bias = self.base_layer.bias
+            return batched_apply(self.base_layer, scaled, self.base_layer.weight + sigma * eps,
+                                 None if bias is None else bias.expand(len(ids), -1), row_member)
+        mean = self.base_layer(scaled)
         var = apply_layer(self.base_layer, x * x, sigma.pow(2).to(x.dtype), None)
         eps = self.context.draw(self.noise_id, x.shape[0], tuple(mean.shape[1:]), x.device)
         return mean + torch.sqrt(var + _VAR_EPS) * eps.to(x.dtype)
