@@ -25,7 +25,7 @@ class LayerNorm2d(nn.LayerNorm):
 
 
 class BatchNormAct(nn.BatchNorm2d):
-    """timm's BatchNormAct2d: BatchNorm followed by an activation (not a plain norm)."""
+    """An activation written into forward (no act module to apply after): not a plain norm."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(super().forward(x))
@@ -256,3 +256,63 @@ def test_rms_norms_are_targets_and_zero_noise_is_the_network():
     net[1] = _LibraryRMSNorm(8, one_plus=True)
     assert norm_axis(net[1]) is None
     assert "1" not in bayesify(net, "abnn").targets
+
+
+def _norm_act_net() -> tuple[nn.Module, int]:
+    """timm's norm-activation layers (EfficientNet's BatchNormAct2d with SiLU and a
+    dropout module, BiT's GroupNormAct, LayerNormAct2d, FrozenBatchNormAct2d) and Hugging
+    Face BiT's BitGroupNormActivation, with non-trivial statistics and affine parameters."""
+    layers = pytest.importorskip("timm.layers")
+    torch.manual_seed(0)
+    norms = [layers.BatchNormAct2d(8, act_layer=nn.SiLU, drop_layer=lambda: nn.Dropout(0.1)),
+             layers.GroupNormAct(8, 2, act_layer=nn.ReLU),
+             layers.LayerNormAct2d(8, act_layer=nn.GELU),
+             layers.FrozenBatchNormAct2d(8, act_layer=nn.ReLU)]
+    try:
+        from transformers import BitConfig
+        from transformers.models.bit.modeling_bit import BitGroupNormActivation
+
+        norms.append(BitGroupNormActivation(BitConfig(num_groups=2, hidden_act="relu"), 8))
+    except ImportError:  # the Hugging Face extra is optional
+        pass
+    body = [nn.Conv2d(2, 8, 3, padding=1)]
+    for norm in norms:
+        body += [norm, nn.Conv2d(8, 8, 3, padding=1)]
+    net = nn.Sequential(*body, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(1 + 0.3 * torch.randn_like(norm.weight))
+            norm.bias.copy_(0.2 * torch.randn_like(norm.bias))
+            if getattr(norm, "running_mean", None) is not None:
+                norm.running_mean.copy_(0.1 * torch.randn_like(norm.running_mean))
+                norm.running_var.copy_(0.5 + torch.rand_like(norm.running_var))
+    return net.eval(), len(norms)
+
+
+def test_norm_activation_layers_are_targets_with_their_activation(tmp_path):
+    """A norm-activation layer is the normalisation then its own ``drop``/``act`` modules:
+    wrapped (it was refused: ``abnn`` wrapped 16 of EfficientNet-Lite0's 49 BatchNorms),
+    σ = 0 is the network (the activation applied after the members' affine), a noisy
+    member is the brute-force ``act(γ_k·x̂·(1 + σε) + β_k)`` — here checked through its
+    sign: ReLU members are never negative — and the export equals in process."""
+    net, count = _norm_act_net()
+    x = torch.randn(5, 2, 6, 6)
+    with torch.no_grad():
+        expected = net(x)
+    bnn = bayesify(net, "abnn", noise_std=0.0)
+    assert len(bnn.targets) == count
+    with torch.no_grad():  # FrozenBatchNormAct2d's own formula is not batch_norm's kernel
+        torch.testing.assert_close(bnn.eval()(x), expected, rtol=1e-6, atol=1e-6)
+    noisy = bayesify(net, "abnn", components=2, predict_samples=2).eval()
+    noisy.state.set("abnn_noise_scale", 2.0)
+    relu = noisy.bayesian_layers()[noisy.targets[1]]  # GroupNormAct with ReLU
+    seen = []
+    handle = relu.register_forward_hook(lambda m, i, o: seen.append(o))
+    predictor = noisy.predictor(seed=4, temperature=1.3)
+    with torch.no_grad():
+        reference = predictor(x)
+    handle.remove()
+    assert seen and all(float(o.min()) >= 0.0 for o in seen)
+    info = predictor.export(tmp_path / "a.pt2", x[:3])
+    assert info["max_abs_diff"] <= 1e-5
+    assert reference.epistemic.min() > 0

@@ -25,8 +25,13 @@ def batchnorm_epilogue(base: nn.Module, out: torch.Tensor) -> torch.Tensor:
     (EfficientNet, MobileNet, …) applies its ``drop`` and its activation inside the same
     module, so a wrapper that re-implements the normalisation must apply them too
     (dropping them turned ReLU6 networks into unbounded ones: EfficientNet-Lite0's
-    logits reached 1e15). Plain ``_BatchNorm`` modules have neither: ``out`` unchanged."""
+    logits reached 1e15). Plain ``_BatchNorm`` modules have neither: ``out`` unchanged.
+    The same for timm's other norm-activation layers (``GroupNormAct``, ``LayerNormAct2d``,
+    ``FrozenBatchNormAct2d``, …) and Hugging Face BiT's ``BitGroupNormActivation``
+    (``activation``)."""
     drop, act = getattr(base, "drop", None), getattr(base, "act", None)
+    if not isinstance(act, nn.Module):
+        act = getattr(base, "activation", None)
     if isinstance(drop, nn.Module):
         out = drop(out)
     if isinstance(act, nn.Module):

@@ -11,8 +11,14 @@ reproduced bit for bit.
 Which modules are wrapped is decided by what they compute, not by their class name: a
 BatchNorm / LayerNorm / GroupNorm (or a subclass, e.g. timm's ``LayerNorm2d``) is a target
 when its output on a probe input equals the plain normalisation over the channel axis 1
-or the last axis (:func:`norm_axis`); a subclass that adds an activation (timm's
-``BatchNormAct2d``) is not, because this layer would drop the activation. A
+or the last axis (:func:`norm_axis`). A norm-activation layer — timm's ``BatchNormAct2d``
+(EfficientNet, MobileNet, RegNet), ``GroupNormAct`` (BiT), ``LayerNormAct2d``,
+``FrozenBatchNormAct2d``; Hugging Face BiT's ``BitGroupNormActivation`` — is a target when
+its output equals that normalisation followed by its own ``drop`` and ``act``
+(``activation``) modules, which this layer then applies after the members' affine
+(:func:`~bayesify.kit.member_bn.batchnorm_epilogue`; until the thirty-seventh stop they
+were refused, and ``abnn`` wrapped 16 of EfficientNet-Lite0's 49 BatchNorms); an
+activation written into ``forward`` (no such module) is not a target. A
 ``FrozenBatchNorm2d`` (torchvision's, timm's: γ, β and the statistics as buffers) is a
 target on the same test; its members' γ, β are parameters like any other's (σ = 0 gives
 the network to float rounding there: its own formula is not the batch_norm kernel). An
@@ -33,6 +39,7 @@ from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, broadcast_rows
 from bayesify.errors import BayesifyError
 from bayesify.kit.knobs import knob_value
+from bayesify.kit.member_bn import batchnorm_epilogue
 from bayesify.methods.abnn.config import ABNNConfig
 
 NORM_TYPES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm,
@@ -43,7 +50,7 @@ def frozen_batchnorm(module: nn.Module) -> bool:
     """A ``FrozenBatchNorm2d`` (torchvision's detection backbones, timm's
     ``freeze_batch_norm_2d``): BatchNorm in eval mode whose γ, β and statistics are buffers.
     :func:`norm_axis` still checks that it computes the plain normalisation."""
-    return (type(module).__name__ == "FrozenBatchNorm2d"
+    return (type(module).__name__ in ("FrozenBatchNorm2d", "FrozenBatchNormAct2d")
             and all(isinstance(getattr(module, name, None), torch.Tensor)
                     for name in ("weight", "bias", "running_mean", "running_var")))
 
@@ -135,7 +142,8 @@ def norm_axis(module: nn.Module) -> int | None:
         try:
             with torch.no_grad():
                 got = probe(x)
-                want = _normalise(probe, x, axis, probe.weight, getattr(probe, "bias", None))
+                want = batchnorm_epilogue(probe, _normalise(probe, x, axis, probe.weight,
+                                                            getattr(probe, "bias", None)))
         except (RuntimeError, ValueError, IndexError, TypeError):
             continue
         if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(
@@ -155,7 +163,7 @@ class PlainNorm(metaclass=_NormProbe):
 
     #: how errors name the layers this key matches
     display_name = ("BatchNorm / LayerNorm / GroupNorm / FrozenBatchNorm2d / RMSNorm (the "
-                    "plain normalisation)")
+                    "plain normalisation, or followed by its own act module: timm's NormAct)")
 
 
 class BayesNormLayer(BayesianLayer):
@@ -213,13 +221,14 @@ class BayesNormLayer(BayesianLayer):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` with channels at ``self.axis`` → same shape."""
+        """``x`` with channels at ``self.axis`` → same shape (a norm-activation layer's
+        ``drop`` and ``act`` applied after, as the layer does)."""
         comp = self.context.components_for(x.shape[0], x.device)
         if self.context.deterministic or self.noise_std == 0.0:
-            return self._mean_forward(x, comp)
+            return batchnorm_epilogue(self.base_layer, self._mean_forward(x, comp))
         eps = self.context.draw(self.layer_id, x.shape[0], (self.num_nodes(),), x.device)
         scale = 1.0 + (self.noise_std * knob_value(self)) * eps  # [R, C] fp32
-        return self._affine(x, comp, scale)
+        return batchnorm_epilogue(self.base_layer, self._affine(x, comp, scale))
 
     def kl(self) -> torch.Tensor:
         """Prior term ``Σ_k Σ_c ((γ_kc − γ₀c)² + (β_kc − β₀c)²) / (2 s²)`` (fp32)."""
