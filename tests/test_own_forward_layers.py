@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import bayesify
 from bayesify.kit.weightspace import apply_layer, batched_apply, has_own_forward
-from bayesify.predict.export import build_exported_predictor
+from bayesify.predict.export import run_exported
 
 layers = pytest.importorskip("timm.layers")
 
@@ -143,5 +143,23 @@ def test_fit_keeps_the_network_and_exports_it(kind, family, tmp_path):
         probs = predictor(x).probs
     assert torch.isfinite(probs).all()
     assert (probs.argmax(-1) == y).float().mean() >= 0.9
-    exported, _ = build_exported_predictor(predictor, x[:2])(x[:7])
+    predictor.export(tmp_path / "p.pt2", x[:2])
+    exported, _ = run_exported(tmp_path / "p.pt2", x[:7])
     torch.testing.assert_close(exported, probs[:7], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["meanfield", "mnf", "rank1", "ensemble"])
+def test_onnx_export_equals_in_process(family, tmp_path):
+    """The families that trace their prediction (meanfield's local reparameterisation, MNF's
+    weight noise) cannot trace a per-member weight sample: meanfield predicts with weight
+    members on every layer once one layer has its own forward, MNF keeps node noise alone
+    on such a layer — both export, and equal the in-process predictor."""
+    pytest.importorskip("onnxruntime")
+    net = _net("same_stride2").eval()
+    bnn = bayesify.bayesify(net, method=family, laplace_heads=False).eval()
+    predictor = bnn.predictor(seed=1)
+    x = torch.randn(7, 3, 9, 9)
+    predictor.export(tmp_path / "p.onnx", x[:2])
+    exported, _ = run_exported(tmp_path / "p.onnx", x)
+    with torch.no_grad():
+        torch.testing.assert_close(exported, predictor(x).probs, atol=1e-5, rtol=0)

@@ -61,7 +61,7 @@ class MeanFieldLayer(BayesianLayer):
         #: local reparameterisation and flipout assume the plain operation, so its
         #: members' weights are sampled and go through that forward
         self.own_forward = has_own_forward(base_layer)
-        if self.own_forward and "weights" not in (self.sampling, self.predict_sampling):
+        if self.own_forward and self.sampling != "weights":
             logger.info("meanfield: %s has its own forward (it transforms its weight): sampled "
                         "weights, not %s, on this layer", type(base_layer).__name__, self.sampling)
         weight = base_layer.weight.detach()

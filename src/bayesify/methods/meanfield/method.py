@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -56,6 +57,9 @@ def minibatch_kl_weight(step: int, steps_per_epoch: int, weighting: str = "unifo
     raise BayesifyError(f"unknown KL weighting {weighting!r}; use 'uniform' or 'blundell'")
 
 
+logger = logging.getLogger(__name__)
+
+
 class MeanFieldMethod(SpreadKnob, NoiseFamily):
     """Bayes by Backprop around every target Linear/Conv (Blundell et al. 2015).
 
@@ -90,6 +94,15 @@ class MeanFieldMethod(SpreadKnob, NoiseFamily):
         layers = super().build(model, targets, context)
         wrapped = [m for m in layers.values() if isinstance(m, MeanFieldLayer)]
         self.depth = len(wrapped)
+        own = [type(m.base_layer).__name__ for m in wrapped if m.own_forward]
+        if own and any(m.predict_sampling != "weights" for m in wrapped):
+            # a layer whose forward transforms its weight predicts with weight samples; so
+            # does every layer then: one kind of member, which exports as weight copies
+            logger.info("meanfield: %d layer(s) with their own forward (%s): every layer "
+                        "predicts with sampled weights (predict_sampling='weights')",
+                        len(own), ", ".join(sorted(set(own))))
+            for layer in wrapped:
+                layer.predict_sampling = "weights"
         shrink = self.shrink()
         if shrink != 1.0:
             with torch.no_grad():

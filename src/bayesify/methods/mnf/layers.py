@@ -25,6 +25,7 @@ The tuned ``mnf_noise_scale`` multiplies σ_z and σ at prediction (0: the mean 
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import nullcontext
 
@@ -36,19 +37,15 @@ from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
 from bayesify.kit.gaussian import gaussian_kl, inverse_softplus
 from bayesify.kit.knobs import times_knob
-from bayesify.kit.weightspace import (
-    apply_layer,
-    batched_apply,
-    has_own_forward,
-    member_normal,
-    member_rows,
-)
+from bayesify.kit.weightspace import apply_layer, has_own_forward
 from bayesify.methods.mnf.bound import InverseModel, node_prior_kl, node_view
 from bayesify.methods.mnf.config import MNFConfig
 from bayesify.methods.mnf.flows import CouplingFlow
 
 #: keeps sqrt(var) differentiable where an input row is exactly zero (ReLU, padding)
 _VAR_EPS = 1e-16
+logger = logging.getLogger(__name__)
+
 _HALF_LOG_2PI_E = 0.5 * (1.0 + math.log(2.0 * math.pi))
 
 
@@ -85,7 +82,14 @@ class MNFLayer(BayesianLayer):
                                   requires_grad=config.learn_std)
         self.flow = CouplingFlow(c, depth=config.flow_depth, hidden=config.flow_hidden,
                                  scale=config.init_std).to(**factory)
-        if config.weight_std > 0:
+        own = has_own_forward(base_layer)
+        if own and config.weight_std > 0:
+            # its forward transforms the weight (standardisation, same padding): the local
+            # reparameterisation of the weight noise assumes the plain operation, so the
+            # layer keeps its node noise z alone (exact through that forward, and exported)
+            logger.info("mnf: %s has its own forward (it transforms its weight): node noise "
+                        "only on this layer (no weight noise)", type(base_layer).__name__)
+        if config.weight_std > 0 and not own:
             std0 = config.weight_std * weight.to(dtype).abs().clamp_min(config.init_floor)
             self.weight_rho = nn.Parameter(inverse_softplus(std0), requires_grad=config.learn_std)
             self.inverse = InverseModel(c, depth=config.inverse_flow_depth,
@@ -129,17 +133,6 @@ class MNFLayer(BayesianLayer):
         if self.weight_rho is None or self.context.deterministic:
             return self.base_layer(scaled)
         sigma = times_knob(self.weight_sigma, self)
-        if has_own_forward(self.base_layer):
-            # its forward transforms the weight (standardisation, same padding): the local
-            # reparameterisation below assumes the plain operation, so every member's
-            # weight noise is sampled and goes through that forward (on x ∘ z: the noise's
-            # σ scaled by z ≈ 1 there)
-            ids, row_member, num_members = member_rows(self.context, x.shape[0], x.device)
-            eps = member_normal(self.context, self.noise_id, ids, num_members, sigma.numel(),
-                                x.device).view(len(ids), *sigma.shape).to(sigma.dtype)
-            bias = self.base_layer.bias
-            return batched_apply(self.base_layer, scaled, self.base_layer.weight + sigma * eps,
-                                 None if bias is None else bias.expand(len(ids), -1), row_member)
         mean = self.base_layer(scaled)
         var = apply_layer(self.base_layer, x * x, sigma.pow(2).to(x.dtype), None)
         eps = self.context.draw(self.noise_id, x.shape[0], tuple(mean.shape[1:]), x.device)
