@@ -71,6 +71,15 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session37.md", "Layers with their own forward (weight-standardised and "
+             "same-padded convolutions: BiT, NFNet, TensorFlow-ported EfficientNets) computed "
+             "as another network by six families; ABNN on norm-activation layers; a crash hunt "
+             "that reads accuracy",
+             "OMP_NUM_THREADS=1 python benchmarks/hf_classes.py hf_bit,...; EPOCHS=1 "
+             "OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py NET 0 F.jsonl (NET: "
+             "nf_regnet, tf_effnet and the timm kinds of TIMM_KINDS); python "
+             "benchmarks/lite0_families.py --classes 10 --seed S --epochs default --families "
+             "abnn (before: PYTHONPATH=<ed29f7c worktree>/src); the text is written by hand"),
         Part("session36.md", "Where a layer's input keeps the batch: sequence-first networks "
              "(XLNet, nn.TransformerEncoder batch_first=False) and shared tables (Swin V2's "
              "position-bias MLP); a crash hunt on 18 more kinds of network; unseen errors in "
