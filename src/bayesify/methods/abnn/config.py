@@ -24,6 +24,15 @@ class ABNNConfig(MethodConfig):
         "layer compounds with depth: 0.05 keeps a pretrained CNN or ViT within a point of its "
         "accuracy before any fine-tuning; the validation-tuned abnn_noise_scale sets the "
         "predictive σ (0 … σ: never more noise than the members were fine-tuned under).")
+    per_network: bool = option(
+        True, "noise_std is the network's at any depth: with L > 8 wrapped layers every "
+        "layer's σ is noise_std·√(8/L), so L·σ² — how far independent noise in L layers moves "
+        "the function — stays that of 8 layers. Measured on the real EfficientNet-Lite0 (49 "
+        "BatchNorm-activation layers, a 10-way digit head), its predictive before any "
+        "fine-tuning: σ = 0.05 on each layer 0.783 test accuracy against the network's 0.830 "
+        "(NLL 0.83 against 0.63); 0.02 (√(8/49)·0.05) 0.828 (0.628). Networks with at most 8 "
+        "normalisation layers (the quality protocols') are unchanged. False: noise_std on "
+        "every layer.")
     prior_std: float = option(
         0.05, "s: Gaussian prior N(pretrained, s²) on every member's γ and β: the term "
         "Σ (γ_k − γ₀)² + (β_k − β₀)² / (2 s²), divided by N_train like a KL, keeps the members "

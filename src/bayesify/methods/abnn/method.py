@@ -9,11 +9,15 @@ K members × n noise draws.
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from bayesify.core.context import SamplingContext
 from bayesify.core.fitting import Step
 from bayesify.kit.family import NoiseFamily
 from bayesify.kit.knobs import SpreadKnob
@@ -23,6 +27,8 @@ from bayesify.methods.abnn.layers import BayesNormLayer, PlainNorm
 
 if TYPE_CHECKING:
     from bayesify.core.model import BayesianModel
+
+logger = logging.getLogger(__name__)
 
 KNOB = "abnn_noise_scale"
 
@@ -90,6 +96,26 @@ class ABNNMethod(SpreadKnob, NoiseFamily):
     #: (+0.02 on test); up to 1 the clean cost stayed ≤ 0.002 on validation
     knob_grid = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
     wrappers: ClassVar = {PlainNorm: BayesNormLayer}
+
+    #: the depth whose L·σ² the per-network noise keeps (see ``ABNNConfig.per_network``)
+    reference_depth = 8
+
+    def build(self, model: nn.Module, targets: list[str],
+              context: SamplingContext) -> dict[str, nn.Module]:
+        """The wrappers; with ``per_network`` and L > 8 of them every layer's σ is
+        ``noise_std·√(8/L)`` (logged)."""
+        layers = super().build(model, targets, context)
+        wrapped = [m for m in layers.values() if isinstance(m, BayesNormLayer)]
+        depth = len(wrapped)
+        if self.config.per_network and depth > self.reference_depth and self.config.noise_std > 0:
+            shrink = math.sqrt(self.reference_depth / depth)
+            for layer in wrapped:
+                layer.noise_std = float(self.config.noise_std) * shrink
+            logger.info("abnn: %d normalisation layers: σ = %.3g·√(%d/%d) = %.3g on each "
+                        "(per_network; per_network=False keeps noise_std on every layer)",
+                        depth, self.config.noise_std, self.reference_depth, depth,
+                        self.config.noise_std * shrink)
+        return layers
 
     def step(self) -> Step:
         # lr: γ and β are O(1) scales and shifts whatever the network; SGD(0.9) at 0.01
