@@ -110,10 +110,25 @@ def check_layers(model: nn.Module, names: list[str]) -> list[int]:
 def pooled(module: nn.Module, output: Any, rows: int) -> torch.Tensor | None:
     """``[B, d]``: a normalisation layer's output averaged over every axis but the batch and
     its features (axis 1 for BatchNorm / GroupNorm / InstanceNorm and channels-first
-    LayerNorms, the last axis for LayerNorm); None when it is not ``[B, …]`` with d there."""
+    LayerNorms, the last axis for LayerNorm); None when it is not ``[B, …]`` with d there.
+
+    ``[k·B, …]`` rows are read batch-major, ``[B, k, …]`` (thirty-seventh stop): LeViT's
+    BatchNorm1d on flattened tokens ``[B·N, C]``, MobileViT's unfolded patches
+    ``[B·P, N, C]``; their part of the variance was 0 (the layer "gave none of the rows").
+    A three-dimensional ``[L, B, C]`` (sequence first) is not."""
     out = output[0] if isinstance(output, (tuple, list)) and output else output
     d = width(module)
-    if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[0] != rows:
+    if not isinstance(out, torch.Tensor) or out.dim() < 2 or rows < 1:
+        return None
+    n = out.shape[0]
+    if n != rows:
+        if n % rows or (out.dim() == 3 and out.shape[1] == rows):
+            return None
+        out = out.reshape(rows, n // rows, *out.shape[1:])  # batch-major rows of each example
+        axes = (-1,) if isinstance(norm_of(module), nn.LayerNorm) else (2, -1)
+        for axis in axes:
+            if out.shape[axis] == d:
+                return out.movedim(axis, -1).reshape(rows, -1, d).mean(1)
         return None
     axes = (-1, 1) if isinstance(norm_of(module), nn.LayerNorm) else (1, -1)
     for axis in axes:
