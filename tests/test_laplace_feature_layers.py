@@ -181,6 +181,55 @@ def test_pooling_of_every_layout():
     assert trunk.pooled(ln, torch.randn(3, 5), 3) is None
 
 
+def test_pooling_of_rows_a_block_flattened_batch_major():
+    """LeViT's BatchNorm1d on flattened tokens ``[B·N, C]`` and MobileViT's unfolded patches
+    ``[B·P, N, C]``: each example's rows averaged (their variance part was 0: no ``[B, …]``);
+    a sequence-first ``[L, B, C]`` whose length is a multiple of B is still refused."""
+    bn1d, ln = nn.BatchNorm1d(4), nn.LayerNorm(4)
+    tokens = torch.randn(3, 7, 4)
+    torch.testing.assert_close(trunk.pooled(bn1d, tokens.flatten(0, 1), 3), tokens.mean(1))
+    patches = torch.randn(3, 5, 7, 4)  # [B, P, N, C] unfolded as [B·P, N, C]
+    torch.testing.assert_close(trunk.pooled(ln, patches.flatten(0, 1), 3), patches.mean((1, 2)))
+    assert trunk.pooled(ln, torch.randn(6, 3, 4), 3) is None  # [L = 2·B, B, C]
+    assert trunk.pooled(bn1d, torch.randn(7, 4), 3) is None  # not a multiple of B
+
+
+class _FlatTokens(nn.Module):
+    """LeViT's pattern: Linear + BatchNorm1d on the flattened tokens ``[B·N, C]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 6)
+        self.norm = nn.BatchNorm1d(6)
+        self.fc = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, N, 3]
+        b, n, _ = x.shape
+        h = self.norm(self.embed(x).flatten(0, 1)).view(b, n, -1)
+        return self.fc(torch.relu(h).mean(1))
+
+
+def test_flattened_tokens_add_their_variance_whatever_the_batch():
+    torch.manual_seed(0)
+    net = _FlatTokens().eval()
+    with torch.no_grad():
+        net.norm.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(32, 5, 3)
+    data = DataLoader(TensorDataset(x, torch.randint(0, 2, (32,))), batch_size=8)
+    bnn = bayesify(net, "laplace", curvature="features", prior_method="fixed",
+                   feature_layers=("norm",))
+    fit(bnn, data, progress=False)
+    alone = bayesify(net, "laplace", curvature="features", prior_method="fixed",
+                     feature_layers=None)
+    fit(alone, data, progress=False)
+    probe = 3.0 * torch.randn(6, 5, 3)
+    with torch.no_grad():
+        added = bnn.predictive(probe).variance - alone.predictive(probe).variance
+        one = torch.cat([bnn.predictive(probe[i:i + 1]).variance for i in range(6)])
+    assert float(added.min()) > 0  # the flattened layer's part is there
+    torch.testing.assert_close(one, bnn.predictive(probe).variance)  # per example
+
+
 class _SequenceFirst(nn.Module):
     """A LayerNorm on a [T, B, D] sequence: no [B, d] output to pool."""
 
