@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from bayesify import BayesifyError, bayesify, fit, load_posterior
 from bayesify.kit import feature_layers as trunk
 from bayesify.posterior_format import MANIFEST_FILE, _manifest_checksum
+from bayesify.predict.export import run_exported
 
 
 def _net(norms: int = 2) -> nn.Module:
@@ -209,7 +210,7 @@ class _FlatTokens(nn.Module):
         return self.fc(torch.relu(h).mean(1))
 
 
-def test_flattened_tokens_add_their_variance_whatever_the_batch():
+def test_flattened_tokens_add_their_variance_whatever_the_batch(tmp_path):
     torch.manual_seed(0)
     net = _FlatTokens().eval()
     with torch.no_grad():
@@ -228,6 +229,13 @@ def test_flattened_tokens_add_their_variance_whatever_the_batch():
         one = torch.cat([bnn.predictive(probe[i:i + 1]).variance for i in range(6)])
     assert float(added.min()) > 0  # the flattened layer's part is there
     torch.testing.assert_close(one, bnn.predictive(probe).variance)  # per example
+    predictor = bnn.predictor(temperature=0.7)
+    predictor.export(tmp_path / "flat.pt2", probe[:2])  # traced: B·N rows of a symbolic B
+    probs, epistemic = run_exported(tmp_path / "flat.pt2", probe)
+    with torch.no_grad():
+        reference = predictor(probe)
+    torch.testing.assert_close(probs, reference.probs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(epistemic, reference.epistemic, atol=1e-5, rtol=0)
 
 
 class _SequenceFirst(nn.Module):
