@@ -62,7 +62,7 @@ class MeanFieldLayer(BayesianLayer):
         #: members' weights are sampled and go through that forward
         self.own_forward = has_own_forward(base_layer)
         if self.own_forward and self.sampling != "weights":
-            logger.info("meanfield: %s has its own forward (it transforms its weight): sampled "
+            logger.debug("meanfield: %s has its own forward (it transforms its weight): sampled "
                         "weights, not %s, on this layer", type(base_layer).__name__, self.sampling)
         weight = base_layer.weight.detach()
         dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32

@@ -87,7 +87,7 @@ class MNFLayer(BayesianLayer):
             # its forward transforms the weight (standardisation, same padding): the local
             # reparameterisation of the weight noise assumes the plain operation, so the
             # layer keeps its node noise z alone (exact through that forward, and exported)
-            logger.info("mnf: %s has its own forward (it transforms its weight): node noise "
+            logger.debug("mnf: %s has its own forward (it transforms its weight): node noise "
                         "only on this layer (no weight noise)", type(base_layer).__name__)
         if config.weight_std > 0 and not own:
             std0 = config.weight_std * weight.to(dtype).abs().clamp_min(config.init_floor)

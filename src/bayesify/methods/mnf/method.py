@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import ClassVar
 
@@ -16,6 +17,8 @@ from bayesify.kit.knobs import SpreadKnob
 from bayesify.kit.steps import ElboStep, RoundRobin
 from bayesify.methods.mnf.config import MNFConfig
 from bayesify.methods.mnf.layers import MNFLayer
+
+logger = logging.getLogger(__name__)
 
 KNOB = "mnf_noise_scale"
 
@@ -50,7 +53,14 @@ class MNFMethod(SpreadKnob, NoiseFamily):
                         f"{module.padding_mode!r} has no variance convolution; exclude it "
                         f"(exclude=[{name!r}]) or use weight_std=0 (node noise only)")
         self.depth = len(targets)
-        return super().build(model, targets, context)
+        layers = super().build(model, targets, context)
+        own = sorted({type(m.base_layer).__name__ for m in layers.values()
+                      if isinstance(m, MNFLayer) and m.weight_rho is None})
+        if own and self.config.weight_std > 0:
+            logger.info("mnf: layers with their own forward (%s) keep their node noise alone "
+                        "(no weight noise: its local reparameterisation assumes the plain "
+                        "operation)", ", ".join(own))
+        return layers
 
     def shrink(self) -> float:
         """1/√L for L > 1 wrapped layers, as iBNN's per-network rate: the z are multipliers
