@@ -121,20 +121,13 @@ def pooled(module: nn.Module, output: Any, rows: int) -> torch.Tensor | None:
     if not isinstance(out, torch.Tensor) or out.dim() < 2 or rows < 1:
         return None
     n = out.shape[0]
-    if n != rows:
-        if n % rows or (out.dim() == 3 and out.shape[1] == rows):
-            return None
-        out = out.reshape(rows, n // rows, *out.shape[1:])  # batch-major rows of each example
-        axes = (-1,) if isinstance(norm_of(module), nn.LayerNorm) else (2, -1)
-        for axis in axes:
-            if out.shape[axis] == d:
-                return out.movedim(axis, -1).reshape(rows, -1, d).mean(1)
+    if n != rows and (n % rows or (out.dim() == 3 and out.shape[1] == rows)):
         return None
     axes = (-1, 1) if isinstance(norm_of(module), nn.LayerNorm) else (1, -1)
     for axis in axes:
         if out.shape[axis] == d:
-            moved = out.movedim(axis, -1)
-            return moved.reshape(rows, -1, d).mean(1) if moved.dim() > 2 else moved
+            moved = out.movedim(axis, -1)  # dimension 0 stays first: rows stay batch-major
+            return moved.reshape(rows, -1, d).mean(1) if moved.dim() > 2 or n != rows else moved
     return None
 
 
