@@ -69,6 +69,24 @@ class AudioDS(Dataset):
     def __getitem__(self, i):
         return {"input_values": self.x[i], "attention_mask": self.mask[i], "labels": self.y[i]}
 
+class MelDS(Dataset):
+    """Log-mel-like spectrograms whose band carries the label: ``input_features`` [mels,
+    frames] (Whisper) or, with ``key="input_values"``, [frames, mels] (AST)."""
+    key, mels, frames = "input_features", 16, 32
+    def __init__(self, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+        self.x = 0.5 * torch.randn(n, self.mels, self.frames, generator=g)
+        for k in range(3):
+            self.x[self.y == k, 4 * k:4 * k + 4] += 1.5
+    def __len__(self): return len(self.y)
+    def __getitem__(self, i):
+        x = self.x[i] if self.key == "input_features" else self.x[i].T.contiguous()
+        return {self.key: x, "labels": self.y[i]}
+
+class SpecDS(MelDS):
+    key = "input_values"
+
 def pretrain(model, ds, steps=150):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
@@ -208,6 +226,107 @@ def build(name):
                                         "num_hidden_layers": 1, "num_attention_heads": 2,
                                         "intermediate_size": 64}, num_labels=3)
         return T.CLIPForImageClassification(cfg), ImgDS
+    # thirty-eighth stop: convolutional/Fourier/pooled-token text encoders, audio spectrograms,
+    # more vision backbones
+    if name == "squeezebert":  # grouped 1-D convolutions on [B, C, L] in attention and FFN
+        cfg = T.SqueezeBertConfig(**text, embedding_size=32, q_groups=2, k_groups=2, v_groups=2,
+                                  post_attention_groups=2, intermediate_groups=2, output_groups=2)
+        return T.SqueezeBertForSequenceClassification(cfg), TokDS
+    if name == "fnet":  # Fourier token mixing (no attention)
+        cfg = T.FNetConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                           intermediate_size=64, max_position_embeddings=32, num_labels=3)
+        return T.FNetForSequenceClassification(cfg), TokDS
+    if name == "funnel":  # token pooling between blocks
+        cfg = T.FunnelConfig(vocab_size=100, block_sizes=[1, 1], d_model=32, n_head=2, d_head=16,
+                             d_inner=64, num_decoder_layers=1, num_labels=3)
+        return T.FunnelForSequenceClassification(cfg), TokDS
+    if name == "convbert":  # span-based dynamic convolution beside attention
+        cfg = T.ConvBertConfig(**text, embedding_size=32, head_ratio=2, conv_kernel_size=3)
+        return T.ConvBertForSequenceClassification(cfg), TokDS
+    if name == "modernbert":  # rotary, GeGLU, unpadded tokens, mean or CLS pooling head
+        cfg = T.ModernBertConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=2,
+                                 max_position_embeddings=32, num_labels=3, pad_token_id=0,
+                                 global_attn_every_n_layers=1, classifier_pooling="mean")
+        return T.ModernBertForSequenceClassification(cfg), TokDS
+    if name == "qwen2":  # decoder with grouped keys/values, biases on q/k/v only
+        cfg = T.Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            max_position_embeddings=32, num_labels=3, pad_token_id=0)
+        return T.Qwen2ForSequenceClassification(cfg), TokDS
+    if name == "ibert":  # integer-only quantisation modules (quant_mode off: float)
+        return T.IBertForSequenceClassification(T.IBertConfig(**text, pad_token_id=1)), TokDS
+    if name == "esm":  # rotary protein encoder, a dense-tanh head
+        cfg = T.EsmConfig(**text, pad_token_id=0, position_embedding_type="rotary",
+                          mask_token_id=3)
+        return T.EsmForSequenceClassification(cfg), TokDS
+    if name == "canine":  # characters hashed into embeddings, strided downsampling conv
+        cfg = T.CanineConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             intermediate_size=64, max_position_embeddings=64,
+                             num_hash_functions=2, num_hash_buckets=64, downsampling_rate=2,
+                             upsampling_kernel_size=2, local_transformer_stride=4, num_labels=3)
+        return T.CanineForSequenceClassification(cfg), TokDS
+    if name == "longformer":  # sliding-window + global attention
+        cfg = T.LongformerConfig(**text, attention_window=4, pad_token_id=1)
+        return T.LongformerForSequenceClassification(cfg), TokDS
+    if name == "whisper":  # log-mel encoder, two 1-D convolutions, mean-pooled projector
+        cfg = T.WhisperConfig(vocab_size=100, num_mel_bins=16, d_model=32, encoder_layers=2,
+                              encoder_attention_heads=2, decoder_layers=1,
+                              decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                              max_source_positions=16, classifier_proj_size=16, num_labels=3)
+        return T.WhisperForAudioClassification(cfg), MelDS
+    if name == "ast":  # audio spectrogram transformer: patches of a spectrogram, two tokens
+        cfg = T.ASTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=64, patch_size=8, frequency_stride=8, time_stride=8,
+                          max_length=32, num_mel_bins=16, num_labels=3)
+        return T.ASTForAudioClassification(cfg), SpecDS
+    if name == "wavlm":  # gated relative position bias
+        cfg = T.WavLMConfig(vocab_size=32, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+                            conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=8,
+                            num_conv_pos_embedding_groups=2, classifier_proj_size=16,
+                            num_labels=3, num_buckets=16, max_bucket_distance=32)
+        return T.WavLMForSequenceClassification(cfg), AudioDS
+    if name == "hf_efficientnet":  # depthwise, squeeze-excitation, TF "same" padding
+        cfg = T.EfficientNetConfig(image_size=32, width_coefficient=0.25, depth_coefficient=0.25,
+                                   hidden_dim=320, num_labels=3)
+        return T.EfficientNetForImageClassification(cfg), ImgDS
+    if name == "hiera":  # mask-unit attention, unrolled tokens
+        cfg = T.HieraConfig(image_size=[32, 32], patch_size=[3, 3], patch_stride=[2, 2],
+                            patch_padding=[1, 1], embed_dim=16, depths=[1, 1], num_heads=[1, 2],
+                            query_stride=[2, 2], masked_unit_size=[4, 4], num_query_pool=1,
+                            masked_unit_attention=[True, False], num_labels=3)
+        return T.HieraForImageClassification(cfg), ImgDS
+    if name == "hf_focalnet":  # focal modulation instead of attention
+        cfg = T.FocalNetConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1],
+                               focal_levels=[2, 2], focal_windows=[3, 3], num_labels=3)
+        return T.FocalNetForImageClassification(cfg), ImgDS
+    if name == "hf_poolformer":  # average pooling as token mixer, GroupNorm
+        cfg = T.PoolFormerConfig(num_channels=3, num_encoder_blocks=2, depths=[1, 1],
+                                 hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
+                                 padding=[2, 1], num_labels=3)
+        return T.PoolFormerForImageClassification(cfg), ImgDS
+    if name == "hf_cvt":  # convolutional projections of q/k/v, a cls token in the last stage
+        # (depth[s] > s: modeling_cvt indexes its drop-path rates by the stage)
+        cfg = T.CvtConfig(num_channels=3, patch_sizes=[7, 3, 3], patch_stride=[4, 2, 1],
+                          patch_padding=[2, 1, 1], embed_dim=[16, 16, 32], num_heads=[1, 1, 2],
+                          depth=[1, 2, 3], mlp_ratio=[2.0, 2.0, 2.0],
+                          attention_drop_rate=[0.0, 0.0, 0.0], drop_rate=[0.0, 0.0, 0.0],
+                          drop_path_rate=[0.0, 0.0, 0.1], qkv_bias=[True, True, True],
+                          cls_token=[False, False, True], qkv_projection_method=["dw_bn"] * 3,
+                          kernel_qkv=[3, 3, 3], padding_kv=[1, 1, 1], stride_kv=[2, 2, 2],
+                          padding_q=[1, 1, 1], stride_q=[1, 1, 1], num_labels=3)
+        return T.CvtForImageClassification(cfg), ImgDS
+    if name == "hf_swiftformer":  # efficient additive attention, BatchNorm
+        cfg = T.SwiftFormerConfig(image_size=32, depths=[1, 1, 1, 1],
+                                  embed_dims=[16, 16, 32, 32], num_labels=3)
+        return T.SwiftFormerForImageClassification(cfg), ImgDS
+    if name == "hf_data2vec_vision":  # BEiT-style, shared relative position bias
+        cfg = T.Data2VecVisionConfig(image_size=32, patch_size=8, hidden_size=32,
+                                     num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, num_labels=3,
+                                     use_shared_relative_position_bias=True, use_mean_pooling=True)
+        return T.Data2VecVisionForImageClassification(cfg), ImgDS
 
 @torch.no_grad()
 def _accuracy(bnn, loader) -> float:

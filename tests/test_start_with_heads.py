@@ -206,3 +206,12 @@ def test_one_sample_per_component_searches_the_start_as_all_samples_do(
     for key in ("temperature", "heads_prior_precision", "kept_val_nll", "start_heads_shift_z"):
         assert one_last[key] == pytest.approx(every_last[key], rel=1e-4, abs=1e-7), key
     assert torch.allclose(_predict(one, data), _predict(every, data), atol=1e-5)
+
+
+def test_the_hand_back_message_never_prints_one_number_as_two():
+    """The warning says the start was lower under the shift; with four decimals a small gap
+    read "NLL 0.0311 … (0.0311, 1.8 paired standard errors lower)". ``apart`` adds decimals
+    until the two differ, and keeps four where they already do."""
+    assert best_module.apart(0.031108, 0.031062) == ("0.03111", "0.03106")
+    assert best_module.apart(1.5, 0.25) == ("1.5000", "0.2500")
+    assert best_module.apart(0.2, 0.2) == ("0.20000000", "0.20000000")  # equal: as far as it goes

@@ -453,10 +453,10 @@ def start_with_heads(bnn: BayesianModel, record: dict[str, Any],
         if is_main and record["start_heads_shift_z"] < -START_SHIFT_SE:
             logger.warning(
                 "%s: the trained state, searched with its Laplace heads, was worse under "
-                "the validation shift (NLL %.4f) than the starting network with the heads "
-                "(%.4f, %.1f paired standard errors lower): %s hands back the start "
+                "the validation shift (NLL %s) than the starting network with the heads "
+                "(%s, %.1f paired standard errors lower): %s hands back the start "
                 "with its heads (the `laplace` family's posterior, in this family's form)",
-                caller, float(family_shift.mean()), float(start_shift.mean()),
+                caller, *apart(float(family_shift.mean()), float(start_shift.mean())),
                 -record["start_heads_shift_z"], caller)
         elif is_main:
             logger.warning(
@@ -471,3 +471,14 @@ def start_with_heads(bnn: BayesianModel, record: dict[str, Any],
     bnn.load_state_dict(current, strict=False)
     bnn.eval()
     return None
+
+
+def apart(a: float, b: float, digits: int = 4) -> tuple[str, str]:
+    """``a`` and ``b`` with ``digits`` decimals, or as many more (up to 8) as it takes for
+    the two to read differently: a message that says one number is lower must not print
+    the same number twice (0.0311 against 0.0311)."""
+    for d in range(digits, 9):
+        pair = f"{a:.{d}f}", f"{b:.{d}f}"
+        if pair[0] != pair[1]:
+            break
+    return pair
