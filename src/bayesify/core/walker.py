@@ -8,6 +8,8 @@ presets and include/exclude patterns on qualified module names, like PEFT's
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import logging
 import re
 from collections import Counter
@@ -28,6 +30,62 @@ logger = logging.getLogger(__name__)
 #: parents that read a child's weights directly instead of calling it: a wrapper
 #: around such a child would be bypassed silently, so these children are skipped.
 WEIGHT_READING_PARENTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+#: ``self.<path>.weight`` / ``.bias`` used as a tensor in a method's source; not a read of
+#: its metadata (``.dtype``, ``.shape`` …) or a test (``is None``, ``==``)
+_READ = re.compile(
+    r"self\.((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\.(weight|bias)\b"
+    r"(?!\s*(?:\.\s*(?:dtype|device|shape|size|ndim|dim|numel|requires_grad|is_\w+|data_ptr)\b"
+    r"|is\b|==|!=|=[^=]))")
+
+
+_CALL = re.compile(r"self\.([A-Za-z_]\w*)\s*\(")
+
+
+@functools.lru_cache(maxsize=None)
+def _read_paths(cls: type) -> tuple[tuple[str, str, str], ...]:
+    """``(path, "weight"|"bias", method)`` for every ``self.<path>.weight|bias`` used as a
+    tensor by ``forward`` of ``cls`` or a method it calls (``self.name(…)``, transitively;
+    classes outside torch). Methods the forward does not reach — re-parameterisation,
+    fusing, initialisation — do not count: they read weights to rewrite them."""
+    methods: dict[str, tuple[str, str]] = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__module__.split(".")[0] in ("torch", "builtins", "typing"):
+            continue
+        for attr, value in vars(klass).items():
+            func = getattr(value, "__func__", value)
+            if inspect.isfunction(func):
+                try:
+                    methods[attr] = (inspect.getsource(func), klass.__name__)
+                except (OSError, TypeError):
+                    continue
+    found, todo, seen = [], ["forward"], set()
+    while todo:
+        attr = todo.pop()
+        if attr in seen or attr not in methods:
+            continue
+        seen.add(attr)
+        source, owner = methods[attr]
+        found += [(m.group(1), m.group(2), f"{owner}.{attr}") for m in _READ.finditer(source)]
+        todo += _CALL.findall(source)
+    return tuple(found)
+
+
+def source_weight_readers(module: nn.Module) -> dict[str, str]:
+    """The submodules whose weight a method of ``module`` reads directly instead of calling
+    them (relative path → why): Hugging Face's WavLM attention hands
+    ``self.q_proj.weight`` … to ``F.multi_head_attention_forward`` — a wrapper there is
+    bypassed, a silent mean network for families with a mean weight and an error for the
+    others. Found in the module's source (``torch.nn`` classes: :data:`WEIGHT_READING_PARENTS`)."""
+    out: dict[str, str] = {}
+    for path, which, where in sorted(_read_paths(type(module)), key=lambda r: r[1] != "weight"):
+        try:
+            child = module.get_submodule(path)
+        except AttributeError:
+            continue
+        if child is not module and path not in out:
+            out[path] = f"{where} reads self.{path}.{which} directly instead of calling it"
+    return out
 
 
 @dataclass
@@ -175,7 +233,7 @@ def plan_targets(model: nn.Module, method: Method) -> TargetPlan:
     for option in ("include", "exclude"):
         _check_pattern_types(option, getattr(config, option))
     plan = TargetPlan(targets=[])
-    skip_children: set[str] = set()
+    skip_children: dict[str, str] = {}
     candidates: list[str] = []
     for name, module in model.named_modules():
         plan.seen_types[type(module).__name__] += 1
@@ -187,13 +245,22 @@ def plan_targets(model: nn.Module, method: Method) -> TargetPlan:
         if isinstance(module, WEIGHT_READING_PARENTS):
             for child_name, _ in module.named_modules():
                 if child_name:
-                    skip_children.add(f"{name}.{child_name}" if name else child_name)
+                    skip_children.setdefault(f"{name}.{child_name}" if name else child_name,
+                                             "parent reads its weights directly")
+        for path, why in source_weight_readers(module).items():
+            skip_children.setdefault(f"{name}.{path}" if name else path, why)
         if not name or wrapper_for(method, module) is None:
             continue
         if name in skip_children:
-            plan.skipped[name] = "parent reads its weights directly"
+            plan.skipped[name] = skip_children[name]
             continue
         candidates.append(name)
+    read = {n: why for n, why in plan.skipped.items() if "instead of calling it" in why}
+    if read:
+        first = next(iter(read))
+        logger.info("%d layer(s) get no posterior: their parent computes with their weights "
+                    "instead of calling them, which would bypass a wrapper (e.g. %r: %s)",
+                    len(read), first, read[first])
 
     modules = dict(model.named_modules())
     selected = _apply_preset(model, config.targets, candidates, modules, method)

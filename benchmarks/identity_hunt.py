@@ -1,0 +1,127 @@
+"""A silent-fault hunt over many architectures at once: every family whose posterior has an
+identity point is wrapped around a random-initialised network *at* that point, and its
+members must be the network (thirty-eighth stop).
+
+The crash hunts (``held_out_nets.py``, ``hf_classes.py``) train a network and fit every
+family: minutes per network, and a family that computes another network shows only where
+the data are hard enough for accuracy to fall (the thirty-seventh stop's BiT: 0.69 against
+1.00). Here nothing is trained: each family is built at its identity point (``IDENTITY``,
+the options of ``tests/test_own_forward_layers.py``), its deterministic members are compared
+with the network's logits on one batch (``Δ`` = max |member − network| ÷ max |network|), and
+its default predictor must run and be finite. Seconds per network, so hundreds of timm
+architectures fit in one run.
+
+    OMP_NUM_THREADS=1 python benchmarks/identity_hunt.py resnet18,convnext_atto,...
+    OMP_NUM_THREADS=1 python benchmarks/identity_hunt.py hf:bert,hf:hf_bit   # hf_classes.build
+    OMP_NUM_THREADS=1 python benchmarks/identity_hunt.py --timm-filter '*' --limit 200
+
+One line per (network, family): ``OK`` with Δ, ``DIFF`` where Δ > 1e-4 (another network),
+``NAN`` where the default predictor is not finite, ``ERR`` with the exception.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import bayesify
+from bayesify.core.batch import as_inputs
+
+warnings.simplefilter("ignore")
+
+#: family → options whose deterministic members are the network itself
+IDENTITY = {
+    "meanfield": {}, "hypernet": {}, "mnf": {}, "dropout": {"train_weights": True},
+    "rank1": {"init": "ones"}, "batchensemble": {"init": "ones"},
+    "ensemble": {"init_noise": 0.0}, "ibnn": {"init_mean_std": 0.0}, "abnn": {"noise_std": 0.0},
+}
+TOLERANCE = 1e-4
+
+
+def build(name: str, size: int):
+    """``(model, batch)``: a timm architecture (random init, 10 classes, ``size`` px) or
+    ``hf:NAME`` from ``hf_classes.build`` (its own data)."""
+    torch.manual_seed(0)
+    if name.startswith("hf:"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import hf_classes
+
+        model, data = hf_classes.build(name[3:])
+        batch = next(iter(torch.utils.data.DataLoader(data(6, 0), batch_size=6)))
+        batch.pop("labels")
+        return model.eval(), batch
+    import timm
+
+    try:
+        model = timm.create_model(name, num_classes=10, img_size=size)
+    except TypeError:
+        model = timm.create_model(name, num_classes=10)
+    cfg = getattr(model, "pretrained_cfg", {}) or {}
+    fixed = cfg.get("fixed_input_size") and cfg.get("input_size")
+    side = cfg["input_size"][-1] if fixed else size
+    return model.eval(), torch.randn(6, 3, side, side)
+
+
+def _logits(model, batch):
+    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    return getattr(out, "logits", out)
+
+
+def check(name: str, size: int, families: list[str]) -> list[str]:
+    began = time.time()
+    try:
+        model, batch = build(name, size)
+        with torch.no_grad():
+            base = _logits(model, batch).float()
+    except Exception as err:  # noqa: BLE001 - the network itself does not build here
+        return [f"SKIP {name} {type(err).__name__}: {str(err)[:160]}"]
+    scale = base.abs().max().clamp_min(1e-6)
+    lines = []
+    for family in families:
+        try:
+            bnn = bayesify.bayesify(model, method=family, **IDENTITY[family]).eval()
+            inputs = as_inputs(batch) if isinstance(batch, dict) else batch
+            with torch.no_grad():
+                members = bnn.method.member_logits(bnn, inputs, samples_per_component=1,
+                                                   max_rows=10_000, seed=1, deterministic=True)
+                delta = float((members.float() - base).abs().max() / scale)
+                probs = bnn.predictor(seed=1)(batch).probs
+            verdict = ("NAN" if not torch.isfinite(probs).all() else
+                       "DIFF" if not delta <= TOLERANCE else "OK  ")
+            lines.append(f"{verdict} {name} {family} Δ={delta:.2e}")
+        except Exception as err:  # noqa: BLE001 - a line says what failed
+            lines.append(f"ERR  {name} {family} {type(err).__name__}: "
+                         f"{str(err)[:240]}".replace("\n", " "))
+    lines.append(f"DONE {name} {time.time() - began:.1f} s")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="?", default="",
+                        help="comma-separated timm model names or hf:NAME (hf_classes.build)")
+    parser.add_argument("--timm-filter", help="every timm model name matching this pattern")
+    parser.add_argument("--limit", type=int, default=0, help="at most this many of the filter")
+    parser.add_argument("--skip", type=int, default=0, help="skip the filter's first N names")
+    parser.add_argument("--size", type=int, default=64, help="input side in pixels (timm)")
+    parser.add_argument("--families", default=",".join(IDENTITY),
+                        help="comma-separated families (default: every one with an identity)")
+    args = parser.parse_args()
+    names = [n for n in args.names.split(",") if n]
+    if args.timm_filter:
+        import timm
+
+        found = timm.list_models(args.timm_filter)[args.skip:]
+        names += found[:args.limit] if args.limit else found
+    for name in names:
+        for line in check(name, args.size, args.families.split(",")):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
