@@ -287,6 +287,12 @@ def build(name):
                             num_conv_pos_embedding_groups=2, classifier_proj_size=16,
                             num_labels=3, num_buckets=16, max_bucket_distance=32)
         return T.WavLMForSequenceClassification(cfg), AudioDS
+    if name == "deberta":  # DeBERTa v1: the attention computes with self.in_proj.weight
+        return T.DebertaForSequenceClassification(T.DebertaConfig(**text)), TokDS
+    if name == "bloom":  # ALiBi decoder; dense layers read directly when pretraining_tp > 1
+        cfg = T.BloomConfig(vocab_size=100, hidden_size=32, n_layer=2, n_head=2, num_labels=3,
+                            pad_token_id=0)
+        return T.BloomForSequenceClassification(cfg), TokDS
     if name == "hf_efficientnet":  # depthwise, squeeze-excitation, TF "same" padding
         cfg = T.EfficientNetConfig(image_size=32, width_coefficient=0.25, depth_coefficient=0.25,
                                    hidden_dim=320, num_labels=3)

@@ -43,9 +43,9 @@ IDENTITY = {
 TOLERANCE = 1e-4
 
 
-def build(name: str, size: int):
-    """``(model, batch)``: a timm architecture (random init, 10 classes, ``size`` px) or
-    ``hf:NAME`` from ``hf_classes.build`` (its own data)."""
+def build(name: str, size: int, native: bool = False):
+    """``(model, batch)``: a timm architecture (random init, 10 classes, ``size`` px, or its
+    own input size with ``native``) or ``hf:NAME`` from ``hf_classes.build`` (its own data)."""
     torch.manual_seed(0)
     if name.startswith("hf:"):
         sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,14 +57,17 @@ def build(name: str, size: int):
         return model.eval(), batch
     import timm
 
-    try:
-        model = timm.create_model(name, num_classes=10, img_size=size)
-    except TypeError:
-        model = timm.create_model(name, num_classes=10)
+    if not native:
+        try:
+            return timm.create_model(name, num_classes=10, img_size=size).eval(), \
+                torch.randn(6, 3, size, size)
+        except TypeError:  # no img_size option
+            pass
+    model = timm.create_model(name, num_classes=10)
     cfg = getattr(model, "pretrained_cfg", {}) or {}
-    fixed = cfg.get("fixed_input_size") and cfg.get("input_size")
-    side = cfg["input_size"][-1] if fixed else size
-    return model.eval(), torch.randn(6, 3, side, side)
+    side = cfg.get("input_size", (3, 224, 224))[-1] if native or cfg.get("fixed_input_size") \
+        else size
+    return model.eval(), torch.randn(2 if native else 6, 3, side, side)
 
 
 def _logits(model, batch):
@@ -74,12 +77,17 @@ def _logits(model, batch):
 
 def check(name: str, size: int, families: list[str]) -> list[str]:
     began = time.time()
-    try:
-        model, batch = build(name, size)
-        with torch.no_grad():
-            base = _logits(model, batch).float()
-    except Exception as err:  # noqa: BLE001 - the network itself does not build here
-        return [f"SKIP {name} {type(err).__name__}: {str(err)[:160]}"]
+    base = None
+    for native in (False, True):  # at `size` px, else at the model's own input size
+        try:
+            model, batch = build(name, size, native)
+            with torch.no_grad():
+                base = _logits(model, batch).float()
+            break
+        except Exception as err:  # noqa: BLE001 - the network itself does not run here
+            failed = f"SKIP {name} {type(err).__name__}: {str(err)[:160]}"
+    if base is None:
+        return [failed]
     scale = base.abs().max().clamp_min(1e-6)
     lines = []
     for family in families:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bayesify
-from bayesify.core.walker import source_weight_readers
+from bayesify.core.weight_reads import source_weight_readers
 
 FAMILIES = {"meanfield": {}, "hypernet": {}, "mnf": {}, "dropout": {"train_weights": True},
             "rank1": {"init": "ones"}, "batchensemble": {"init": "ones"},
@@ -21,25 +21,32 @@ FAMILIES = {"meanfield": {}, "hypernet": {}, "mnf": {}, "dropout": {"train_weigh
 
 
 class Fused(nn.Module):
-    """``qkv`` read through a helper the forward calls; ``fc`` called; ``gate`` read for its
-    dtype only; ``spare`` read in a re-parameterisation the forward never calls."""
+    """``qkv`` read through a helper the forward calls; ``fc`` called (and read only for a
+    caller's ``states``, None by default); ``gate`` read for its dtype, and for its values
+    only when ``parallel > 1``; ``spare`` read in a re-parameterisation the forward never
+    calls."""
 
-    def __init__(self, d: int = 8) -> None:
+    def __init__(self, d: int = 8, parallel: int = 1) -> None:
         super().__init__()
         self.qkv = nn.Linear(d, d)
         self.fc = nn.Linear(d, d)
         self.gate = nn.Linear(d, d)
         self.spare = nn.Linear(d, d)
         self.extra = nn.Parameter(torch.zeros(d))
+        self.parallel = parallel
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.qkv.bias + self.extra
         return F.linear(x, self.qkv.weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.gate.weight.dtype)
+    def forward(self, x: torch.Tensor, states: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.to(self.gate.weight.dtype) if isinstance(self.gate.weight, torch.Tensor) else x
         if self.fc.bias is not None:
             x = self._project(x)
+        if states is not None:
+            x = F.linear(states, self.fc.weight)
+        if self.parallel > 1 and not self.training:
+            x = F.linear(x, self.gate.weight)
         return self.spare(self.gate(self.fc(x)))
 
     def reparameterize(self) -> None:
@@ -52,9 +59,12 @@ def _net() -> nn.Module:
 
 
 def test_only_the_child_whose_weight_the_forward_uses_is_found():
+    """On the branches this module takes: ``states`` is None by default, ``parallel`` is 1
+    here (2: the gate is read; ``self.training`` is not known ahead, so it counts)."""
     found = source_weight_readers(Fused())
     assert list(found) == ["qkv"]
     assert "Fused._project reads self.qkv.weight" in found["qkv"]
+    assert sorted(source_weight_readers(Fused(parallel=2))) == ["gate", "qkv"]
     assert source_weight_readers(nn.Linear(2, 2)) == {}
 
 

@@ -8,8 +8,6 @@ presets and include/exclude patterns on qualified module names, like PEFT's
 from __future__ import annotations
 
 import difflib
-import functools
-import inspect
 import logging
 import re
 from collections import Counter
@@ -23,6 +21,7 @@ from torch import nn
 from bayesify.core.layers import BayesianLayer
 from bayesify.core.method import Method, wrapper_for
 from bayesify.core.names import BASE_LAYER, posterior_name
+from bayesify.core.weight_reads import source_weight_readers
 from bayesify.errors import BayesifyError
 
 logger = logging.getLogger(__name__)
@@ -30,62 +29,6 @@ logger = logging.getLogger(__name__)
 #: parents that read a child's weights directly instead of calling it: a wrapper
 #: around such a child would be bypassed silently, so these children are skipped.
 WEIGHT_READING_PARENTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
-
-#: ``self.<path>.weight`` / ``.bias`` used as a tensor in a method's source; not a read of
-#: its metadata (``.dtype``, ``.shape`` …) or a test (``is None``, ``==``)
-_READ = re.compile(
-    r"self\.((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)\.(weight|bias)\b"
-    r"(?!\s*(?:\.\s*(?:dtype|device|shape|size|ndim|dim|numel|requires_grad|is_\w+|data_ptr)\b"
-    r"|is\b|==|!=|=[^=]))")
-
-
-_CALL = re.compile(r"self\.([A-Za-z_]\w*)\s*\(")
-
-
-@functools.lru_cache(maxsize=None)
-def _read_paths(cls: type) -> tuple[tuple[str, str, str], ...]:
-    """``(path, "weight"|"bias", method)`` for every ``self.<path>.weight|bias`` used as a
-    tensor by ``forward`` of ``cls`` or a method it calls (``self.name(…)``, transitively;
-    classes outside torch). Methods the forward does not reach — re-parameterisation,
-    fusing, initialisation — do not count: they read weights to rewrite them."""
-    methods: dict[str, tuple[str, str]] = {}
-    for klass in reversed(cls.__mro__):
-        if klass.__module__.split(".")[0] in ("torch", "builtins", "typing"):
-            continue
-        for attr, value in vars(klass).items():
-            func = getattr(value, "__func__", value)
-            if inspect.isfunction(func):
-                try:
-                    methods[attr] = (inspect.getsource(func), klass.__name__)
-                except (OSError, TypeError):
-                    continue
-    found, todo, seen = [], ["forward"], set()
-    while todo:
-        attr = todo.pop()
-        if attr in seen or attr not in methods:
-            continue
-        seen.add(attr)
-        source, owner = methods[attr]
-        found += [(m.group(1), m.group(2), f"{owner}.{attr}") for m in _READ.finditer(source)]
-        todo += _CALL.findall(source)
-    return tuple(found)
-
-
-def source_weight_readers(module: nn.Module) -> dict[str, str]:
-    """The submodules whose weight a method of ``module`` reads directly instead of calling
-    them (relative path → why): Hugging Face's WavLM attention hands
-    ``self.q_proj.weight`` … to ``F.multi_head_attention_forward`` — a wrapper there is
-    bypassed, a silent mean network for families with a mean weight and an error for the
-    others. Found in the module's source (``torch.nn`` classes: :data:`WEIGHT_READING_PARENTS`)."""
-    out: dict[str, str] = {}
-    for path, which, where in sorted(_read_paths(type(module)), key=lambda r: r[1] != "weight"):
-        try:
-            child = module.get_submodule(path)
-        except AttributeError:
-            continue
-        if child is not module and path not in out:
-            out[path] = f"{where} reads self.{path}.{which} directly instead of calling it"
-    return out
 
 
 @dataclass
