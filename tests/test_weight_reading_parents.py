@@ -105,3 +105,72 @@ def test_a_default_fit_runs_on_the_wavlm_attention():
     skipped = [n for n in bnn.skipped if n.endswith(("q_proj", "k_proj", "v_proj", "out_proj"))]
     assert len(skipped) == 4 and not any(n in bnn.targets for n in skipped)
     torch.testing.assert_close(probs, base.softmax(-1), atol=1e-5, rtol=1e-4)
+
+
+def _qat_net() -> nn.Module:
+    """A small CNN prepared for quantisation-aware training: conv-BN-ReLU, conv-ReLU and
+    Linear-ReLU fused, every layer's output fake-quantised by a forward hook."""
+    import torch.ao.quantization as Q
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.Conv2d(8, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).train()
+    net = Q.fuse_modules_qat(net, [["0", "1", "2"], ["3", "4"], ["7", "8"]])
+    net.qconfig = Q.get_default_qat_qconfig("fbgemm")
+    net = Q.prepare_qat(net)
+    for _ in range(3):
+        net(torch.randn(8, 3, 9, 9))
+    net.apply(Q.disable_observer)
+    return net.eval()
+
+
+@pytest.mark.parametrize("family", ["rank1", "batchensemble", "ensemble", "dropout"])
+def test_a_quantisation_aware_network_is_refused_where_a_family_would_compute_another(family):
+    """Before: these families added the bias after the fused ReLU / folded BatchNorm and the
+    output fake-quantisation (max |Δ logit| 0.10 at their identity point). Now every layer
+    is skipped with its reason, and the refusal names one."""
+    with pytest.raises(bayesify.BayesifyError, match="fused quantisation-aware ConvBnReLU2d"):
+        bayesify.bayesify(_qat_net(), method=family, **FAMILIES[family])
+
+
+def test_a_family_that_calls_the_layer_keeps_the_quantisation_aware_network():
+    net, x = _qat_net(), torch.randn(5, 3, 9, 9)
+    with torch.no_grad():
+        base = net(x)
+        bnn = bayesify.bayesify(net, method="ibnn", init_mean_std=0.0).eval()
+        members = bnn.method.member_logits(bnn, x, samples_per_component=1, max_rows=1000,
+                                           seed=1, deterministic=True)
+    assert set(bnn.targets) == {"0", "3", "7", "9"}
+    for member in members:
+        torch.testing.assert_close(member, base, atol=1e-6, rtol=1e-6)
+
+
+def test_a_layer_with_its_own_forward_hook_gets_no_posterior_where_the_hook_would_be_lost():
+    """A plain layer's hook never runs under a family that computes ``x Wᵀ`` itself."""
+    net = _net()
+    net[4].register_forward_hook(lambda _m, _i, out: out * 2.0)
+    x = torch.randn(7, 5)
+    with torch.no_grad():
+        base = net(x)
+        bnn = bayesify.bayesify(net, method="rank1", init="ones").eval()
+        members = bnn.method.member_logits(bnn, x, samples_per_component=1, max_rows=1000,
+                                           seed=1, deterministic=True)
+    assert "4" not in bnn.targets and "forward hooks of its own" in bnn.skipped["4"]
+    torch.testing.assert_close(members[0], base, atol=1e-5, rtol=1e-5)
+
+
+def test_old_style_weight_and_spectral_norm_stay_targets():
+    """Their pre-hooks recompute ``weight`` before a forward; a family computes with the
+    weight they left, as the layer does — these layers stay targets and are the network."""
+    torch.manual_seed(0)
+    net = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 8)), nn.ReLU(),
+                        torch.nn.utils.spectral_norm(nn.Linear(8, 3))).eval()
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        base = net(x)
+        bnn = bayesify.bayesify(net, method="rank1", init="ones").eval()
+        members = bnn.method.member_logits(bnn, x, samples_per_component=1, max_rows=100,
+                                           seed=1, deterministic=True)
+    assert bnn.targets == ["0", "2"]
+    torch.testing.assert_close(members[0], base, atol=1e-6, rtol=1e-6)

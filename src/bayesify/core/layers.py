@@ -89,6 +89,10 @@ class BayesianLayer(nn.Module):
     layout: int | str | None = "unprobed"
     #: the shapes of the layer's inputs while the layout probe runs (None otherwise)
     probe_shapes: list[Any] | None = None
+    #: whether the wrapper calls the original layer (its ``__call__``: its forward hooks
+    #: run on its whole output); False where it computes with the layer's tensors itself,
+    #: and a layer with hooks of its own is then not a target (:func:`walker.hooked`)
+    runs_base_hooks: bool = False
 
     def __init__(self, base_layer: nn.Module, context: SamplingContext) -> None:
         super().__init__()

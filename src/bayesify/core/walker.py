@@ -31,6 +31,42 @@ logger = logging.getLogger(__name__)
 WEIGHT_READING_PARENTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
+def fused_qat(module: nn.Module) -> str:
+    """Why a fused quantisation-aware-training module (``torch.ao.nn.intrinsic.qat``:
+    ``ConvBnReLU2d``, ``ConvReLU2d``, ``LinearReLU`` …, what ``prepare_qat`` makes of fused
+    conv-BN-ReLU) gets no posterior; "" for any other module. Its output is not its weight's
+    operation plus a bias — the ReLU, the folded BatchNorm come after — so the families that
+    add a bias or scale the output after the weight's operation (rank1, batchensemble,
+    ensemble, dropout with ``train_weights``) computed another network (max |Δ logit| 0.10
+    on a small fused CNN). Wrappers that call the layer (``runs_base_hooks``) keep it."""
+    if type(module).__module__.startswith("torch.ao.nn.intrinsic.qat"):
+        return (f"a fused quantisation-aware {type(module).__name__}: its forward applies "
+                "more than the weight and a bias (BatchNorm folding, an activation)")
+    return ""
+
+
+def hooked(module: nn.Module) -> str:
+    """Why a layer with forward hooks of its own gets no posterior; "" without any. A
+    wrapper computes the layer itself: a hook on the original layer would never run (a
+    plain layer), or run on the output before the bias is added (a layer with its own
+    forward) — quantisation-aware training's activation fake-quantisation is such a hook
+    (max |Δ logit| 0.09 on one Linear)."""
+    from torch.nn.utils import prune
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    # the old-style weight / spectral norm and pruning recompute `weight` before a forward:
+    # a wrapper computes with the weight they left, as the layer does (frozen base)
+    recompute = (WeightNorm, SpectralNorm, prune.BasePruningMethod)
+    hooks = [*module._forward_hooks.values(),
+             *(h for h in module._forward_pre_hooks.values() if not isinstance(h, recompute))]
+    if not hooks:
+        return ""
+    names = sorted({getattr(h, "__name__", type(h).__name__) for h in hooks})
+    return (f"forward hooks of its own ({', '.join(names)}): a wrapper would skip them or "
+            "apply them before the bias")
+
+
 @dataclass
 class TargetPlan:
     """Result of planning: the names to wrap, and what was seen and skipped why."""
@@ -192,7 +228,18 @@ def plan_targets(model: nn.Module, method: Method) -> TargetPlan:
                                              "parent reads its weights directly")
         for path, why in source_weight_readers(module).items():
             skip_children.setdefault(f"{name}.{path}" if name else path, why)
-        if not name or wrapper_for(method, module) is None:
+        fused = fused_qat(module)
+        if fused:
+            for child_name, _ in module.named_modules():
+                if child_name:  # ConvBn's forward reads its BatchNorm's statistics
+                    skip_children.setdefault(f"{name}.{child_name}" if name else child_name,
+                                             "parent reads its weights directly")
+        wrapper = wrapper_for(method, module) if name else None
+        if wrapper is None:
+            continue
+        why = "" if getattr(wrapper, "runs_base_hooks", False) else fused or hooked(module)
+        if why:
+            plan.skipped[name] = why
             continue
         if name in skip_children:
             plan.skipped[name] = skip_children[name]
@@ -218,6 +265,10 @@ def plan_targets(model: nn.Module, method: Method) -> TargetPlan:
         none = ("" if candidates else
                 f"; the model has no layer {method.name!r} can wrap: use another family "
                 "(e.g. 'ibnn' or 'laplace', which wrap Linear and convolution layers)")
+        if plan.skipped:
+            first = next(iter(plan.skipped))
+            none += (f"; {len(plan.skipped)} layer(s) of those types skipped, e.g. {first!r}: "
+                     f"{plan.skipped[first]}")
         raise BayesifyError(
             f"no layer matched for method {method.name!r} (targets={config.targets!r}, "
             f"include={list(config.include)}, exclude={list(config.exclude)}); "

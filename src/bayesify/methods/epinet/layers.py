@@ -48,6 +48,8 @@ class EpinetLayer(BayesianLayer):
     """Wraps the classifier ``Linear``; ``learner`` is σ_L (trained), ``prior_w{i}``/``prior_b{i}``
     the buffers of σ_P (never trained)."""
 
+    runs_base_hooks = True  # calls the original layer
+
     def __init__(self, base_layer: nn.Module, *, context: SamplingContext, config: EpinetConfig) -> None:
         super().__init__(base_layer, context)
         if not isinstance(base_layer, nn.Linear):

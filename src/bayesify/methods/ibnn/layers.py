@@ -33,6 +33,8 @@ class NodeNoiseLayer(BayesianLayer):
     Parameters: ``mean [K, C]`` and ``rho [K, C]`` with std = softplus(ρ).
     """
 
+    runs_base_hooks = True  # calls the original layer
+
     def __init__(self, base_layer: nn.Module, *, context: SamplingContext, config: IBNNConfig) -> None:
         super().__init__(base_layer, context)
         k, c = config.components, in_channels(base_layer)

@@ -28,6 +28,8 @@ from bayesify.methods.laplace.config import LaplaceConfig
 class LaplaceLayer(BayesianLayer):
     """Wraps a Linear/Conv; its parameters are the MAP mean θ* of the Laplace posterior."""
 
+    runs_base_hooks = True  # calls the original layer
+
     deals_rows = False  # every row of a pass computes alike
 
     def __init__(self, base_layer: nn.Module, *, context: SamplingContext, config: LaplaceConfig) -> None:

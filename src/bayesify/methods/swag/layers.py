@@ -93,6 +93,8 @@ class SWAGLayer(BayesianLayer):
     swaps sampled values in for ``theta.*`` with ``torch.func.functional_call``.
     """
 
+    runs_base_hooks = True  # functional_call on the original layer: its hooks run
+
     deals_rows = False  # every row of a pass computes alike
 
     def __init__(self, base_layer: nn.Module, *, context: SamplingContext, config: SWAGConfig) -> None:
