@@ -17,6 +17,12 @@ architectures fit in one run.
 
 One line per (network, family): ``OK`` with Δ, ``DIFF`` where Δ > 1e-4 (another network),
 ``NAN`` where the default predictor is not finite, ``ERR`` with the exception.
+
+``--scan timm`` / ``--scan hf`` build every timm model / every Hugging Face sequence, image
+and audio classifier (default configuration) on the meta device — no weights, no forward —
+and list the module classes that read a child's weight instead of calling it
+(``bayesify.core.weight_reads``) and the layer classes with their own forward
+(``bayesify.kit.weightspace.has_own_forward``), with the models that have them.
 """
 
 from __future__ import annotations
@@ -109,6 +115,56 @@ def check(name: str, size: int, families: list[str]) -> list[str]:
     return lines
 
 
+def _meta_models(kind: str):
+    """``(name, model)`` for every timm model or HF classifier class, built on the meta
+    device (what fails to build there is left out)."""
+    if kind == "timm":
+        import timm
+
+        for name in timm.list_models():
+            try:
+                with torch.device("meta"):
+                    yield name, timm.create_model(name, num_classes=10)
+            except Exception:  # noqa: BLE001, S112 - a model that needs more than its name
+                continue
+        return
+    import transformers as T
+    from transformers.models.auto import modeling_auto as auto
+
+    T.logging.set_verbosity_error()
+    for mapping in (auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+                    auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+                    auto.MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES):
+        for model_type, class_name in mapping.items():
+            class_name = class_name[0] if isinstance(class_name, (list, tuple)) else class_name
+            cls = getattr(T, class_name, None)
+            try:
+                with torch.device("meta"):
+                    yield class_name, cls(T.AutoConfig.for_model(model_type))
+            except Exception:  # noqa: BLE001, S112 - a class whose default config fails
+                continue
+
+
+def scan(kind: str) -> None:
+    from collections import defaultdict
+
+    from bayesify.core.weight_reads import source_weight_readers
+    from bayesify.kit.weightspace import has_own_forward
+
+    readers, own, count = defaultdict(set), defaultdict(set), 0
+    for name, model in _meta_models(kind):
+        count += 1
+        for module in model.modules():
+            for why in source_weight_readers(module).values():
+                readers[why].add(name)
+            if has_own_forward(module):
+                own[f"{type(module).__module__}.{type(module).__qualname__}"].add(name)
+    print(f"{count} {kind} models built on the meta device")
+    for title, found in (("READS", readers), ("OWN FORWARD", own)):
+        for why, names in sorted(found.items()):
+            print(f"{title} {len(names)} models: {why} (e.g. {', '.join(sorted(names)[:3])})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="?", default="",
@@ -119,7 +175,12 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64, help="input side in pixels (timm)")
     parser.add_argument("--families", default=",".join(IDENTITY),
                         help="comma-separated families (default: every one with an identity)")
+    parser.add_argument("--scan", choices=["timm", "hf"],
+                        help="list weight-reading parents and own-forward layers instead")
     args = parser.parse_args()
+    if args.scan:
+        scan(args.scan)
+        return
     names = [n for n in args.names.split(",") if n]
     if args.timm_filter:
         import timm
