@@ -293,6 +293,10 @@ def build(name):
         cfg = T.BloomConfig(vocab_size=100, hidden_size=32, n_layer=2, n_head=2, num_labels=3,
                             pad_token_id=0)
         return T.BloomForSequenceClassification(cfg), TokDS
+    if name == "falcon":  # FalconLinear: a Linear subclass with its own forward (x @ Wᵀ)
+        cfg = T.FalconConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, num_labels=3, pad_token_id=0, bias=True)
+        return T.FalconForSequenceClassification(cfg), TokDS
     if name == "hf_efficientnet":  # depthwise, squeeze-excitation, TF "same" padding
         cfg = T.EfficientNetConfig(image_size=32, width_coefficient=0.25, depth_coefficient=0.25,
                                    hidden_dim=320, num_labels=3)
