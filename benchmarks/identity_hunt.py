@@ -15,6 +15,9 @@ architectures fit in one run.
     OMP_NUM_THREADS=1 python benchmarks/identity_hunt.py hf:bert,hf:hf_bit   # hf_classes.build
     OMP_NUM_THREADS=1 python benchmarks/identity_hunt.py --timm-filter '*' --limit 200
 
+``--export``: each family at its defaults is also exported to ``.pt2`` and read back, the
+export's own check (probs and epistemic within 1e-5 of the in-process predictor).
+
 One line per (network, family): ``OK`` with Δ, ``DIFF`` where Δ > 1e-4 (another network),
 ``NAN`` where the default predictor is not finite, ``ERR`` with the exception.
 
@@ -81,7 +84,20 @@ def _logits(model, batch):
     return getattr(out, "logits", out)
 
 
-def check(name: str, size: int, families: list[str]) -> list[str]:
+def _export(model, family: str, batch) -> str:
+    """`` export=Ns Δ=…``: the family at its defaults (its initial spread, no fit) exported to
+    ``.pt2`` and read back — ``export`` verifies probs and epistemic against the in-process
+    predictor (1e-5) and raises otherwise."""
+    import tempfile
+
+    began = time.time()
+    bnn = bayesify.bayesify(model, method=family).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        info = bnn.predictor(seed=1).export(Path(tmp) / "p.pt2", batch)
+    return f" export={time.time() - began:.0f}s Δ={info['max_abs_diff']:.1e}"
+
+
+def check(name: str, size: int, families: list[str], export: bool = False) -> list[str]:
     began = time.time()
     base = None
     for native in (False, True):  # at `size` px, else at the model's own input size
@@ -107,7 +123,10 @@ def check(name: str, size: int, families: list[str]) -> list[str]:
                 probs = bnn.predictor(seed=1)(batch).probs
             verdict = ("NAN" if not torch.isfinite(probs).all() else
                        "DIFF" if not delta <= TOLERANCE else "OK  ")
-            lines.append(f"{verdict} {name} {family} Δ={delta:.2e}")
+            line = f"{verdict} {name} {family} Δ={delta:.2e}"
+            if export:  # the family's default spread, exported and read back (verify)
+                line += _export(model, family, batch)
+            lines.append(line)
         except Exception as err:  # noqa: BLE001 - a line says what failed
             lines.append(f"ERR  {name} {family} {type(err).__name__}: "
                          f"{str(err)[:240]}".replace("\n", " "))
@@ -175,6 +194,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64, help="input side in pixels (timm)")
     parser.add_argument("--families", default=",".join(IDENTITY),
                         help="comma-separated families (default: every one with an identity)")
+    parser.add_argument("--export", action="store_true",
+                        help="also export each family at its defaults to .pt2 and verify it")
     parser.add_argument("--scan", choices=["timm", "hf"],
                         help="list weight-reading parents and own-forward layers instead")
     args = parser.parse_args()
@@ -188,7 +209,7 @@ def main() -> None:
         found = timm.list_models(args.timm_filter)[args.skip:]
         names += found[:args.limit] if args.limit else found
     for name in names:
-        for line in check(name, args.size, args.families.split(",")):
+        for line in check(name, args.size, args.families.split(","), args.export):
             print(line, flush=True)
 
 
