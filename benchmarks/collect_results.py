@@ -71,6 +71,14 @@ CAPABILITIES: list[tuple[str, str, list[Part]]] = [
              "python benchmarks/quality.py --seeds 0 1 2 --jobs 2 --threads 1 --methods abnn "
              "epinet ibnn laplace-torch deep-ensemble-x5 ddu-density (issue36.md); --methods abnn "
              "(issue36_abnn_grid.md); python benchmarks/abnn_init.py; the text is written by hand"),
+        Part("session38.md", "Layers whose parent computes with their weights (Swin V2, BEiT, "
+             "EVA, DINOv3, WavLM) and quantisation-aware networks: another network or a crash "
+             "for up to seven families; a silent-fault hunt over 86 timm architectures and 52 "
+             "Hugging Face classes",
+             "OMP_NUM_THREADS=1 python benchmarks/identity_hunt.py NAMES [--export]; python "
+             "benchmarks/identity_hunt.py --scan timm|hf; python benchmarks/hf_classes.py "
+             "squeezebert,...; EPOCHS=1 OMP_NUM_THREADS=1 python benchmarks/held_out_nets.py NET "
+             "0 F.jsonl (before: PYTHONPATH=<worktree>/src); the text is written by hand"),
         Part("session37.md", "Layers with their own forward (weight-standardised and "
              "same-padded convolutions: BiT, NFNet, TensorFlow-ported EfficientNets) computed "
              "as another network by six families; ABNN on norm-activation layers; a crash hunt "
