@@ -101,16 +101,23 @@ IDENTITY = {
 }
 
 
+def at_identity(net: nn.Module, family: str, x: torch.Tensor, **options):
+    """``(network logits, bnn, deterministic member logits [M, B, C])`` of ``family`` built
+    at its identity point (``IDENTITY``, or ``options``)."""
+    with torch.no_grad():
+        base = net(x)
+        bnn = bayesify.bayesify(net, method=family, **(options or IDENTITY[family])).eval()
+        members = bnn.method.member_logits(bnn, x, samples_per_component=1, max_rows=10_000,
+                                           seed=1, deterministic=True)
+    return base, bnn, members
+
+
 @pytest.mark.parametrize("kind", list(CONVS))
 @pytest.mark.parametrize("family", list(IDENTITY))
 def test_an_identity_posterior_is_the_network(kind, family):
-    net = _net(kind).eval()
     x = torch.randn(5, 3, 9, 9)
+    base, bnn, members = at_identity(_net(kind).eval(), family, x)
     with torch.no_grad():
-        base = net(x)
-        bnn = bayesify.bayesify(net, method=family, **IDENTITY[family]).eval()
-        members = bnn.method.member_logits(bnn, x, samples_per_component=1, max_rows=10_000,
-                                           seed=1, deterministic=True)
         noisy = bnn.predictor(seed=1)(x).probs
     for member in members:
         torch.testing.assert_close(member, base, atol=1e-5, rtol=1e-5)

@@ -10,14 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_own_forward_layers import IDENTITY as FAMILIES
+from test_own_forward_layers import at_identity
 from torch import nn
 
 import bayesify
 from bayesify.core.weight_reads import source_weight_readers
-
-FAMILIES = {"meanfield": {}, "hypernet": {}, "mnf": {}, "dropout": {"train_weights": True},
-            "rank1": {"init": "ones"}, "batchensemble": {"init": "ones"},
-            "ensemble": {"init_noise": 0.0}, "ibnn": {"init_mean_std": 0.0}}
 
 
 class Fused(nn.Module):
@@ -72,11 +70,8 @@ def test_only_the_child_whose_weight_the_forward_uses_is_found():
 def test_every_family_leaves_the_read_child_alone_and_is_the_network(family):
     net = _net()
     x = torch.randn(7, 5)
+    base, bnn, members = at_identity(net, family, x)
     with torch.no_grad():
-        base = net(x)
-        bnn = bayesify.bayesify(net, method=family, **FAMILIES[family]).eval()
-        members = bnn.method.member_logits(bnn, x, samples_per_component=1, max_rows=1000,
-                                           seed=1, deterministic=True)
         probs = bnn.predictor(seed=1)(x).probs
     assert "2.qkv" not in bnn.targets and "2.qkv" in bnn.skipped
     assert "reads self.qkv.weight" in bnn.skipped["2.qkv"]
@@ -135,12 +130,7 @@ def test_a_quantisation_aware_network_is_refused_where_a_family_would_compute_an
 
 
 def test_a_family_that_calls_the_layer_keeps_the_quantisation_aware_network():
-    net, x = _qat_net(), torch.randn(5, 3, 9, 9)
-    with torch.no_grad():
-        base = net(x)
-        bnn = bayesify.bayesify(net, method="ibnn", init_mean_std=0.0).eval()
-        members = bnn.method.member_logits(bnn, x, samples_per_component=1, max_rows=1000,
-                                           seed=1, deterministic=True)
+    base, bnn, members = at_identity(_qat_net(), "ibnn", torch.randn(5, 3, 9, 9))
     assert set(bnn.targets) == {"0", "3", "7", "9"}
     for member in members:
         torch.testing.assert_close(member, base, atol=1e-6, rtol=1e-6)
@@ -150,12 +140,7 @@ def test_a_layer_with_its_own_forward_hook_gets_no_posterior_where_the_hook_woul
     """A plain layer's hook never runs under a family that computes ``x Wᵀ`` itself."""
     net = _net()
     net[4].register_forward_hook(lambda _m, _i, out: out * 2.0)
-    x = torch.randn(7, 5)
-    with torch.no_grad():
-        base = net(x)
-        bnn = bayesify.bayesify(net, method="rank1", init="ones").eval()
-        members = bnn.method.member_logits(bnn, x, samples_per_component=1, max_rows=1000,
-                                           seed=1, deterministic=True)
+    base, bnn, members = at_identity(net, "rank1", torch.randn(7, 5))
     assert "4" not in bnn.targets and "forward hooks of its own" in bnn.skipped["4"]
     torch.testing.assert_close(members[0], base, atol=1e-5, rtol=1e-5)
 
@@ -166,11 +151,6 @@ def test_old_style_weight_and_spectral_norm_stay_targets():
     torch.manual_seed(0)
     net = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 8)), nn.ReLU(),
                         torch.nn.utils.spectral_norm(nn.Linear(8, 3))).eval()
-    x = torch.randn(5, 4)
-    with torch.no_grad():
-        base = net(x)
-        bnn = bayesify.bayesify(net, method="rank1", init="ones").eval()
-        members = bnn.method.member_logits(bnn, x, samples_per_component=1, max_rows=100,
-                                           seed=1, deterministic=True)
+    base, bnn, members = at_identity(net, "rank1", torch.randn(5, 4))
     assert bnn.targets == ["0", "2"]
     torch.testing.assert_close(members[0], base, atol=1e-6, rtol=1e-6)
