@@ -170,3 +170,22 @@ def test_onnx_export_equals_in_process(family, tmp_path):
     exported, _ = run_exported(tmp_path / "p.onnx", x)
     with torch.no_grad():
         torch.testing.assert_close(exported, predictor(x).probs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["std", "scaled_std"])
+def test_rank_one_hypernet_layers_export_as_they_predict(kind, tmp_path):
+    """A weight-standardised layer standardises ``W ∘ s rᵀ``, not ``W``: the hypernet's
+    rank-1 layers computed ``(x ∘ r) W ∘ s`` through it in-process and exported the
+    materialised member weights — 6e-4 apart in probability on timm's ``nf_regnet_b0``
+    (the identity hunt's ``--export``; small layers are 'full' under 'auto', so the test
+    above never met a rank-1 one)."""
+    net = _net(kind).eval()
+    x = torch.randn(6, 3, 9, 9)
+    bnn = bayesify.bayesify(net, method="hypernet", parameterization="rank1",
+                            laplace_heads=False).eval()
+    with torch.no_grad():
+        probs = bnn.predictor(seed=2)(x).probs
+    predictor = bnn.predictor(seed=2)
+    predictor.export(tmp_path / "p.pt2", x[:2])
+    exported, _ = run_exported(tmp_path / "p.pt2", x)
+    torch.testing.assert_close(exported, probs, atol=1e-5, rtol=0)

@@ -26,7 +26,7 @@ from bayesify.core.context import SamplingContext
 from bayesify.core.layers import BayesianLayer, broadcast_rows, channel_axis, in_channels
 from bayesify.kit.knobs import knob_value
 from bayesify.kit.priors import WeightPrior
-from bayesify.kit.weightspace import apply_layer, batched_apply, member_rows
+from bayesify.kit.weightspace import apply_layer, batched_apply, has_own_forward, member_rows
 from bayesify.methods.hypernet.config import HypernetConfig
 from bayesify.methods.hypernet.estimator import nearest_neighbour_kl
 from bayesify.methods.hypernet.generator import NoiseSource, WeightGenerator
@@ -128,6 +128,12 @@ class HypernetLayer(BayesianLayer):
         gen = self.generate(z)
         if self.mode != "rank1":
             return batched_apply(self.base_layer, x, gen["weight"], gen.get("bias"), row_member)
+        if has_own_forward(self.base_layer):
+            # a weight-standardised layer standardises W·(s rᵀ), not W, in its forward: the
+            # member weights go through it (as the export's copies do; (x∘r)W∘s differed by
+            # 6e-4 in probability on timm's nf_regnet_b0)
+            return batched_apply(self.base_layer, x, self._rank1_weights(gen).to(x.dtype),
+                                 gen.get("bias"), row_member)
         r = gen["r"].index_select(0, row_member).to(x.dtype)
         s = gen["s"].index_select(0, row_member).to(x.dtype)
         y = apply_layer(self.base_layer, x * broadcast_rows(r, x, self.axis),
@@ -153,12 +159,19 @@ class HypernetLayer(BayesianLayer):
         bias = gen["bias"][0] if self.has_bias else None
         if self.mode != "rank1":
             return gen["weight"][0], bias
+        return self._rank1_weights(gen)[0], bias
+
+    def _rank1_weights(self, gen: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[k, *weight_shape]``: every generated member's ``W[o, i, ...] = w₀[o, i, ...] ·
+        s[o] · r[g(o)·C_in/g + i]`` (group-aware)."""
         w0 = self._w0()
         groups = int(getattr(self.base_layer, "groups", 1))
         per_group_in = w0.shape[1]
-        r = gen["r"][0].view(groups, 1, per_group_in).expand(groups, self.c_out // groups, per_group_in)
-        scale = gen["s"][0].view(-1, 1) * r.reshape(self.c_out, per_group_in)
-        return w0 * scale.view(*scale.shape, *([1] * (w0.dim() - 2))), bias
+        k = gen["s"].shape[0]
+        r = gen["r"].view(k, groups, 1, per_group_in).expand(k, groups, self.c_out // groups,
+                                                            per_group_in)
+        scale = gen["s"].view(k, -1, 1) * r.reshape(k, self.c_out, per_group_in)
+        return w0 * scale.view(*scale.shape, *([1] * (w0.dim() - 2)))
 
     # -- KL ----------------------------------------------------------------------------
     def kl(self) -> torch.Tensor:
