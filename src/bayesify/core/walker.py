@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import prune
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from bayesify.core.layers import BayesianLayer
 from bayesify.core.method import Method, wrapper_for
@@ -29,6 +32,11 @@ logger = logging.getLogger(__name__)
 #: parents that read a child's weights directly instead of calling it: a wrapper
 #: around such a child would be bypassed silently, so these children are skipped.
 WEIGHT_READING_PARENTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
+#: pre-hooks that recompute ``weight`` before a forward (old-style weight / spectral norm,
+#: pruning): a wrapper computes with the weight they left, as the layer does (frozen base)
+_RECOMPUTE_WEIGHT = (WeightNorm, SpectralNorm, prune.BasePruningMethod)
 
 
 def fused_qat(module: nn.Module) -> str:
@@ -51,15 +59,9 @@ def hooked(module: nn.Module) -> str:
     plain layer), or run on the output before the bias is added (a layer with its own
     forward) — quantisation-aware training's activation fake-quantisation is such a hook
     (max |Δ logit| 0.09 on one Linear)."""
-    from torch.nn.utils import prune
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-
-    # the old-style weight / spectral norm and pruning recompute `weight` before a forward:
-    # a wrapper computes with the weight they left, as the layer does (frozen base)
-    recompute = (WeightNorm, SpectralNorm, prune.BasePruningMethod)
     hooks = [*module._forward_hooks.values(),
-             *(h for h in module._forward_pre_hooks.values() if not isinstance(h, recompute))]
+             *(h for h in module._forward_pre_hooks.values()
+               if not isinstance(h, _RECOMPUTE_WEIGHT))]
     if not hooks:
         return ""
     names = sorted({getattr(h, "__name__", type(h).__name__) for h in hooks})
@@ -221,19 +223,14 @@ def plan_targets(model: nn.Module, method: Method) -> TargetPlan:
                 f"the model is already bayesified (module {name!r} is a "
                 f"{type(module).__name__}); call .unwrap() first or wrap the original model"
             )
-        if isinstance(module, WEIGHT_READING_PARENTS):
+        fused = fused_qat(module)
+        if isinstance(module, WEIGHT_READING_PARENTS) or fused:  # fused ConvBn reads its BN
             for child_name, _ in module.named_modules():
                 if child_name:
                     skip_children.setdefault(f"{name}.{child_name}" if name else child_name,
                                              "parent reads its weights directly")
         for path, why in source_weight_readers(module).items():
             skip_children.setdefault(f"{name}.{path}" if name else path, why)
-        fused = fused_qat(module)
-        if fused:
-            for child_name, _ in module.named_modules():
-                if child_name:  # ConvBn's forward reads its BatchNorm's statistics
-                    skip_children.setdefault(f"{name}.{child_name}" if name else child_name,
-                                             "parent reads its weights directly")
         wrapper = wrapper_for(method, module) if name else None
         if wrapper is None:
             continue
