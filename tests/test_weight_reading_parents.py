@@ -154,3 +154,21 @@ def test_old_style_weight_and_spectral_norm_stay_targets():
     base, bnn, members = at_identity(net, "rank1", torch.randn(5, 4))
     assert bnn.targets == ["0", "2"]
     torch.testing.assert_close(members[0], base, atol=1e-6, rtol=1e-6)
+
+
+class VectorTest(nn.Module):
+    """A branch on a vector parameter's truth value: unknown ahead, both branches count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale == 1:
+            return self.fc(x)
+        return F.linear(x, self.fc.weight)
+
+
+def test_a_branch_on_a_tensor_counts_both_ways_instead_of_failing():
+    assert list(source_weight_readers(VectorTest())) == ["fc"]

@@ -118,8 +118,12 @@ def _live(node: ast.AST, module: nn.Module, defaults: dict[str, Any]) -> Iterato
     yield node
     if isinstance(node, (ast.If, ast.IfExp)):
         test = _value(node.test, module, defaults)
-        branches = ([node.body, node.orelse] if test is _UNKNOWN else
-                    [node.body] if bool(test) else [node.orelse])
+        try:  # a tensor's truth value (``if self.scale:`` on a vector) is not known here
+            taken = None if test is _UNKNOWN else bool(test)
+        except Exception:  # noqa: BLE001
+            taken = None
+        branches = ([node.body, node.orelse] if taken is None else
+                    [node.body] if taken else [node.orelse])
         yield from _live(node.test, module, defaults)
         for branch in branches:
             for child in (branch if isinstance(branch, list) else [branch]):
